@@ -1,0 +1,5 @@
+"""Entry point for ``python -m stagewise``."""
+
+from stagewise.cli import main
+
+raise SystemExit(main())

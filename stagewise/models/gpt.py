@@ -1,0 +1,105 @@
+"""GPT-style decoder built as a chain: embedding, pre-norm causal blocks, final norm, LM head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of a GPT-style decoder."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for byte-level text."""
+    seq_len: int = 128
+    """Longest sequence, the size of the position table."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block; must divide ``d_model``."""
+    d_ff: int = 0
+    """Hidden width of each block's MLP; 0 means ``4 * d_model``."""
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"GPTConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPTConfig.n_heads={self.n_heads} must divide d_model={self.d_model}")
+        if self.d_ff < 0:
+            raise ValueError(f"GPTConfig.d_ff must be >= 0, got {self.d_ff}")
+
+    @property
+    def hidden(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding: ids ``[batch, seq]`` to ``[batch, seq, d_model]``."""
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(config.vocab_size, config.d_model, device=device)
+        self.positions = nn.Embedding(config.seq_len, config.d_model, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        out: torch.Tensor = self.tokens(ids) + self.positions(positions)
+        return out
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention then an MLP, each residual."""
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        d = config.d_model
+        self.n_heads = config.n_heads
+        self.attn_norm = nn.LayerNorm(d, device=device)
+        self.qkv = nn.Linear(d, 3 * d, device=device)
+        self.proj = nn.Linear(d, d, device=device)
+        self.mlp_norm = nn.LayerNorm(d, device=device)
+        self.fc = nn.Linear(d, config.hidden, device=device)
+        self.out = nn.Linear(config.hidden, d, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=-1)
+        heads = (b, t, self.n_heads, d // self.n_heads)
+        q, k, v = (z.view(heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        out: torch.Tensor = x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
+        return out
+
+
+class GPT(nn.Module):
+    """A decoder-only language model; token ids in, logits ``[batch, seq, vocab]`` out.
+
+    It is a chain for :func:`stagewise.partition.layers_of`: ``embed``,
+    ``blocks.0`` .. ``blocks.N-1``, ``norm``, ``head``. Pass ``device="meta"``
+    to build it without allocating its weights.
+    """
+
+    stagewise_chain = ("embed", "blocks", "norm", "head")
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config, device=device)
+        self.blocks = nn.ModuleList(Block(config, device=device) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.d_model, device=device)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out

@@ -1,0 +1,101 @@
+"""auto(): profile a chain, model its memory under a schedule, and balance it in one call."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from stagewise.partition.balance import Weights, balance
+from stagewise.partition.layers import Layer
+from stagewise.partition.memory import MemorySchedule, memory_model
+from stagewise.partition.profile import LayerCost, Payload, profile
+from stagewise.partition.split import Partition
+
+By = Literal["time", "flops", "params", "memory"]
+"""What a stage's load counts: measured time, FLOPs, parameters, or bytes of memory."""
+
+
+def balance_costs(
+    costs: Sequence[LayerCost],
+    n_stages: int,
+    *,
+    by: By = "flops",
+    speeds: Weights | None = None,
+    capacities: Weights | None = None,
+    schedule: MemorySchedule = "1f1b",
+    n_microbatches: int = 1,
+    state_multiplier: float = 4.0,
+) -> Partition:
+    """Balance profiled layers by ``by``, within ``capacities`` under ``schedule``'s memory.
+
+    The memory of each stage follows :func:`memory_model`: parameter state
+    (``state_multiplier`` copies of the weights) plus buffers, plus saved
+    activations times the micro-batches in flight on that stage.
+    """
+    if by not in get_args(By):
+        raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
+    if not costs:
+        raise ValueError("there are no layer costs to balance")
+    memory = memory_model(
+        costs, n_stages, schedule=schedule, n_microbatches=n_microbatches, state_multiplier=state_multiplier
+    )
+    if by == "time":
+        missing = [c.name for c in costs if c.time is None]
+        if missing:
+            raise ValueError(
+                f"by='time' needs measured times, but {len(missing)} layers have none (first: {missing[0]!r}); "
+                "profile with time=True, or balance by 'flops'"
+            )
+        weights: Weights = [float(c.time or 0.0) for c in costs]
+    elif by == "flops":
+        weights = [float(c.flops) for c in costs]
+    elif by == "params":
+        weights = [float(c.params) for c in costs]
+    part = balance(
+        memory if by == "memory" else weights,
+        n_stages,
+        speeds=speeds,
+        memory=memory,
+        capacities=capacities,
+        names=[c.name for c in costs],
+    )
+    b = part.bounds
+    params = tuple(sum(c.params for c in costs[b[s] : b[s + 1]]) for s in range(part.n_stages))
+    return dataclasses.replace(part, params=params)
+
+
+def auto(
+    model: nn.Module | Sequence[Layer],
+    n_stages: int,
+    sample: Payload,
+    *,
+    by: By = "flops",
+    speeds: Weights | None = None,
+    capacities: Weights | None = None,
+    schedule: MemorySchedule = "1f1b",
+    n_microbatches: int = 1,
+    state_multiplier: float = 4.0,
+    device: torch.device | str | None = None,
+) -> Partition:
+    """Profile ``model`` on one micro-batch ``sample`` and return the optimal partition.
+
+    ``by="time"`` measures each layer on ``device`` (see :func:`profile`); the
+    other criteria work on the meta device. See :func:`balance_costs`.
+    """
+    if by not in get_args(By):
+        raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
+    costs = profile(model, sample, time=by == "time", device=device)
+    return balance_costs(
+        costs,
+        n_stages,
+        by=by,
+        speeds=speeds,
+        capacities=capacities,
+        schedule=schedule,
+        n_microbatches=n_microbatches,
+        state_multiplier=state_multiplier,
+    )

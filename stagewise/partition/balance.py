@@ -1,0 +1,229 @@
+"""balance(): the exact contiguous split that minimises the slowest stage, under memory capacities."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from stagewise.partition.memory import MemoryModel
+from stagewise.partition.solver import FloatArray, RangeCost, SplitProblem, solve
+from stagewise.partition.split import Partition
+from stagewise.units import format_bytes
+
+log = logging.getLogger(__name__)
+
+Weights = Sequence[float] | FloatArray
+
+
+class CapacityError(ValueError):
+    """No split fits the devices' memory; names the layer or stage that overflows."""
+
+    def __init__(self, message: str, *, stage: int | None, layer: int | None, overflow: float) -> None:
+        super().__init__(message)
+        self.stage = stage
+        """The stage that overflows at the best split, or None when a single layer fits no stage."""
+        self.layer = layer
+        """The layer that fits no stage on its own, or None."""
+        self.overflow = overflow
+        """Bytes beyond the capacity at the best split (or of the layer on the roomiest stage)."""
+
+
+def _vector(field: str, values: Weights, *, length: int | None, positive: bool = False) -> FloatArray:
+    """``values`` as a float64 vector, refused with the first bad entry when not finite and >= 0."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{field} must be a sequence of numbers, got {type(values).__name__}")
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{field} must be a sequence of numbers: {err}") from err
+    if array.ndim != 1:
+        raise ValueError(f"{field} must be one-dimensional, got shape {array.shape}")
+    if length is not None and len(array) != length:
+        raise ValueError(f"{field} has {len(array)} entries but there are {length}; give exactly {length}")
+    bad = ~np.isfinite(array) | ((array <= 0) if positive else (array < 0))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        need = "positive and finite" if positive else "finite and >= 0"
+        raise ValueError(
+            f"{field}[{i}] is {float(array[i])!r}; every entry must be {need} ({int(bad.sum())} of {len(array)} are not)"
+        )
+    return array
+
+
+def _layer_label(i: int, names: Sequence[str] | None) -> str:
+    return f"layer {i} ({names[i]!r})" if names is not None else f"layer {i}"
+
+
+def _stage_label(stage: int, lo: int, hi: int, names: Sequence[str] | None) -> str:
+    span = f"{names[lo]} .. {names[hi - 1]}" if names is not None else f"{lo} .. {hi - 1}"
+    return f"stage {stage} (layers {lo}:{hi}, {span})"
+
+
+def _memory_cost(model: MemoryModel) -> RangeCost:
+    return RangeCost.of_layers(
+        np.asarray(model.fixed, dtype=np.float64),
+        model.n_stages,
+        y=np.asarray(model.activation, dtype=np.float64),
+        scale=np.asarray(model.in_flight, dtype=np.float64),
+    )
+
+
+def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str] | None) -> CapacityError:
+    """Why no split fits: a layer too big for every stage, or the stage that overflows at the best split."""
+    k = model.n_stages
+    mem = _memory_cost(model)
+    per_stage = np.stack([mem.singles(j) for j in range(k)])  # [stage, layer]
+    fits_somewhere = (per_stage <= caps[:, None]).any(axis=0)
+    if not fits_somewhere.all():
+        i = int(np.flatnonzero(~fits_somewhere)[0])
+        best = int(np.argmin(per_stage[:, i] - caps))
+        need, cap = float(per_stage[best, i]), float(caps[best])
+        return CapacityError(
+            f"{_layer_label(i, names)} alone needs {format_bytes(need)} but the largest capacity is "
+            f"{format_bytes(float(caps.max()))}; no stage can hold it. Give that device more memory, "
+            "shrink the layer, or lower its activation memory (fewer micro-batches in flight, "
+            "smaller micro-batches).",
+            stage=None,
+            layer=i,
+            overflow=need - cap,
+        )
+    # The split that uses the smallest worst fraction of each device's memory.
+    fraction = RangeCost.of_layers(
+        np.asarray(model.fixed, dtype=np.float64),
+        k,
+        y=np.asarray(model.activation, dtype=np.float64),
+        scale=np.asarray(model.in_flight, dtype=np.float64),
+        divisor=caps,
+    )
+    best_fit = solve(SplitProblem(k, fraction))
+    assert best_fit is not None
+    b = best_fit.bounds
+    over = [mem.of(j, b[j], b[j + 1]) - float(caps[j]) for j in range(k)]
+    s = int(np.argmax([mem.of(j, b[j], b[j + 1]) / float(caps[j]) for j in range(k)]))
+    need = mem.of(s, b[s], b[s + 1])
+    return CapacityError(
+        f"no split of {model.n_layers} layers into {k} stages fits the capacities: at the split that "
+        f"uses the least of each device's memory (bounds {list(b)}), {_stage_label(s, b[s], b[s + 1], names)} "
+        f"needs {format_bytes(need)} > capacity {format_bytes(float(caps[s]))}, "
+        f"over by {format_bytes(over[s])}. Use more stages, devices with more memory, "
+        "or fewer micro-batches in flight.",
+        stage=s,
+        layer=None,
+        overflow=over[s],
+    )
+
+
+def balance(
+    weights: Weights | MemoryModel,
+    n_stages: int,
+    *,
+    speeds: Weights | None = None,
+    memory: Weights | MemoryModel | None = None,
+    capacities: Weights | None = None,
+    names: Sequence[str] | None = None,
+) -> Partition:
+    """The contiguous split into ``n_stages`` non-empty stages that minimises the slowest stage.
+
+    Stage ``s`` costs ``sum(weights of its layers) / speeds[s]``; the result
+    minimises the maximum of that over stages, exactly (property-tested
+    against brute force), subject to ``memory of stage s <= capacities[s]``.
+
+    Args:
+        weights: per-layer cost (time, FLOPs, parameters, ...), finite and >= 0;
+            or a :class:`MemoryModel` to balance memory itself.
+        n_stages: number of stages, 1 <= n_stages <= number of layers.
+        speeds: per-stage relative device speed (> 0); all 1 when omitted.
+        memory: per-layer bytes, or a :class:`MemoryModel` whose activation
+            bytes scale with each stage's micro-batches in flight.
+        capacities: per-stage bytes available; requires ``memory``.
+        names: per-layer names, used in the report and in error messages.
+
+    Ties between optimal splits are broken the same way every time: going
+    backwards from the last stage, each stage starts as early as the optimum
+    allows, so later stages take as many layers as they can and the first
+    stages, which hold the most micro-batches in flight under 1F1B, the fewest.
+
+    Raises:
+        ValueError: bad counts, lengths or values (the message names them).
+        CapacityError: no split fits the capacities; names the layer or stage.
+    """
+    if isinstance(n_stages, bool) or not isinstance(n_stages, (int, np.integer)):
+        raise TypeError(f"n_stages must be an int, got {type(n_stages).__name__}")
+    n_stages = int(n_stages)
+    if n_stages < 1:
+        raise ValueError(f"n_stages must be >= 1, got {n_stages}")
+    weight_model = weights if isinstance(weights, MemoryModel) else None
+    w = (
+        np.asarray(weight_model.fixed, dtype=np.float64)
+        if weight_model is not None
+        else _vector("weights", weights, length=None)  # type: ignore[arg-type]
+    )
+    n = len(w)
+    if n == 0:
+        raise ValueError("there are no layers to split (weights is empty); give one weight per layer")
+    if n_stages > n:
+        raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages; use n_stages <= {n}")
+    if names is not None and len(names) != n:
+        raise ValueError(f"names has {len(names)} entries but there are {n} layers; give one name per layer")
+    s = np.ones(n_stages) if speeds is None else _vector("speeds", speeds, length=n_stages, positive=True)
+
+    if weight_model is not None:
+        _check_model("weights", weight_model, n, n_stages)
+        load_cost = _memory_cost(weight_model)
+    else:
+        load_cost = RangeCost.of_layers(w, n_stages)
+    # Same sums, divided by each stage's speed: a stage's time is bit-for-bit load / speed.
+    objective = dataclasses.replace(load_cost, divisor=s)
+
+    model: MemoryModel | None
+    if memory is None:
+        model = None
+    elif isinstance(memory, MemoryModel):
+        _check_model("memory", memory, n, n_stages)
+        model = memory
+    else:
+        fixed = _vector("memory", memory, length=n)
+        model = MemoryModel(tuple(fixed.tolist()), (0.0,) * n, (1,) * n_stages)
+    caps: FloatArray | None = None
+    if capacities is not None:
+        if model is None:
+            raise ValueError("capacities were given without memory; pass memory= (per-layer bytes or a MemoryModel)")
+        caps = _vector("capacities", capacities, length=n_stages, positive=False)
+        if (caps <= 0).any():
+            j = int(np.flatnonzero(caps <= 0)[0])
+            raise ValueError(f"capacities[{j}] is {float(caps[j])!r}; every capacity must be positive")
+    constraint = _memory_cost(model) if model is not None else None
+
+    solution = solve(SplitProblem(n_stages, objective, constraint if caps is not None else None, caps))
+    if solution is None:
+        assert model is not None and caps is not None
+        raise _explain_overflow(model, caps, names)
+    b = solution.bounds
+    part = Partition(
+        bounds=b,
+        loads=tuple(load_cost.of(j, b[j], b[j + 1]) for j in range(n_stages)),
+        speeds=tuple(float(x) for x in s),
+        memory=None if constraint is None else tuple(constraint.of(j, b[j], b[j + 1]) for j in range(n_stages)),
+        capacities=None if caps is None else tuple(float(c) for c in caps),
+        names=None if names is None else tuple(names),
+    )
+    log.debug("balanced %d layers into %d stages: bounds %s, bottleneck %.6g", n, n_stages, b, part.bottleneck)
+    return part
+
+
+def _check_model(field: str, model: MemoryModel, n_layers: int, n_stages: int) -> None:
+    if model.n_layers != n_layers:
+        raise ValueError(f"{field} describes {model.n_layers} layers but there are {n_layers}")
+    if model.n_stages != n_stages:
+        raise ValueError(
+            f"{field} has in-flight counts for {model.n_stages} stages but n_stages is {n_stages}; "
+            "build it with the same stage count"
+        )
+    for name, values in (("fixed", model.fixed), ("activation", model.activation)):
+        _vector(f"{field}.{name}", values, length=n_layers)
+    if not all(math.isfinite(q) for q in model.in_flight):
+        raise ValueError(f"{field}.in_flight must be finite, got {list(model.in_flight)}")

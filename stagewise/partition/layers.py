@@ -1,0 +1,138 @@
+"""layers_of(): the ordered, named layers of a model that is a chain."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+CHAIN_ATTRIBUTE = "stagewise_chain"
+"""The attribute by which a module declares its chain (see :func:`layers_of`)."""
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a chain: its dotted path in the model and the module itself."""
+
+    name: str
+    """Path of the module in the unsplit model (``blocks.3``); parameter ``p`` of it is ``name.p``."""
+    module: nn.Module
+
+
+@dataclass(frozen=True)
+class SharedParameter:
+    """A parameter that more than one layer uses (tied weights)."""
+
+    layers: tuple[str, ...]
+    """The names of the layers that hold it, in chain order."""
+    names: tuple[str, ...]
+    """Its full name in each of those layers."""
+
+
+def _children(prefix: str, container: nn.Module, flatten: bool) -> Iterator[Layer]:
+    for key, child in container.named_children():
+        name = f"{prefix}.{key}" if prefix else key
+        if flatten and isinstance(child, _CONTAINERS):
+            yield from _children(name, child, flatten)
+        else:
+            yield Layer(name, child)
+
+
+def _declared(model: nn.Module, flatten: bool) -> Iterator[Layer]:
+    chain = getattr(model, CHAIN_ATTRIBUTE)
+    if isinstance(chain, str) or not all(isinstance(c, str) for c in chain):
+        raise TypeError(
+            f"{type(model).__name__}.{CHAIN_ATTRIBUTE} must be a sequence of submodule names, got {chain!r}"
+        )
+    for path in chain:
+        try:
+            sub = model.get_submodule(path)
+        except AttributeError as err:
+            raise TypeError(
+                f"{type(model).__name__}.{CHAIN_ATTRIBUTE} names {path!r}, which is not a submodule: {err}"
+            ) from err
+        if isinstance(sub, _CONTAINERS):
+            yield from _children(path, sub, flatten)
+        else:
+            yield Layer(path, sub)
+
+
+def shared_parameters(layers: list[Layer]) -> list[SharedParameter]:
+    """Parameters held by more than one layer, each listed once."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for layer in layers:
+        seen: set[int] = set()
+        for pname, param in layer.module.named_parameters(remove_duplicate=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            holders.setdefault(id(param), []).append((layer.name, f"{layer.name}.{pname}"))
+    return [
+        SharedParameter(layers=tuple(h[0] for h in held), names=tuple(h[1] for h in held))
+        for held in holders.values()
+        if len(held) > 1
+    ]
+
+
+def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
+    """The layers of ``model`` in execution order, named by their path in the model.
+
+    A model is a chain when running it equals running its layers one after
+    another, each layer's output (a tensor or a tuple of tensors) passed as the
+    single argument of the next, as in ``nn.Sequential``. Recognised chains:
+
+    * ``nn.Sequential``, ``nn.ModuleList`` and ``nn.ModuleDict``: their
+      children, in order. Nested containers stay one layer each unless
+      ``flatten=True``, which expands them recursively.
+    * Any module with a ``stagewise_chain`` attribute: a sequence of submodule
+      paths in execution order, e.g. ``("embed", "blocks", "norm", "head")``.
+      A path that names a container contributes that container's children
+      (``blocks.0``, ``blocks.1``, ...). Every parameter of the model must
+      belong to one of the listed layers.
+
+    Raises:
+        TypeError: the model is not a chain; the message says how to make it one.
+        ValueError: the model has no layers, or layers share parameters (tied
+            weights), which are named.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"layers_of expects an nn.Module, got {type(model).__name__}")
+    kind = type(model).__name__
+    if hasattr(model, CHAIN_ATTRIBUTE):
+        layers = list(_declared(model, flatten))
+    elif isinstance(model, _CONTAINERS):
+        layers = list(_children("", model, flatten))
+    else:
+        raise TypeError(
+            f"{kind} is not a chain of layers: stagewise splits nn.Sequential, nn.ModuleList, "
+            f"nn.ModuleDict, or a module that lists its layers in execution order in a "
+            f"'{CHAIN_ATTRIBUTE}' attribute (e.g. {CHAIN_ATTRIBUTE} = ('embed', 'blocks', 'norm', 'head')). "
+            f"For a model whose forward is not a chain, split it with "
+            f"torch.distributed.pipelining.pipeline() and SplitPoint instead."
+        )
+    if not layers:
+        raise ValueError(f"{kind} has no layers to split; it is an empty chain")
+    names = [layer.name for layer in layers]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{kind} lists these layers more than once: {dup}; each layer may appear once")
+    if hasattr(model, CHAIN_ATTRIBUTE):
+        covered = {id(p) for layer in layers for p in layer.module.parameters()}
+        stray = [n for n, p in model.named_parameters() if id(p) not in covered]
+        if stray:
+            raise ValueError(
+                f"{kind}.{CHAIN_ATTRIBUTE} leaves out parameters {stray[:5]}"
+                f"{' ...' if len(stray) > 5 else ''}; list every module that owns parameters"
+            )
+    shared = shared_parameters(layers)
+    if shared:
+        described = "; ".join(" = ".join(s.names) for s in shared)
+        raise ValueError(
+            f"{kind} shares parameters between layers (tied weights): {described}. "
+            "Splitting a model with parameters shared across layers is not supported yet; "
+            "untie them (give each layer its own copy) before partitioning."
+        )
+    return layers

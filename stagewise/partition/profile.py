@@ -1,0 +1,227 @@
+"""profile(): per-layer parameters, FLOPs, activation bytes and time, one layer at a time."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time as clock
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+from stagewise.partition.layers import Layer, layers_of
+
+log = logging.getLogger(__name__)
+
+Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
+"""What flows between layers: a tensor or a tuple of tensors."""
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer costs, for one micro-batch of the profiled sample."""
+
+    name: str
+    """The layer's path in the model."""
+    params: int
+    """Number of parameter elements."""
+    param_bytes: int
+    """Bytes of the parameters."""
+    buffer_bytes: int
+    """Bytes of the buffers (running statistics and the like)."""
+    flops: int
+    """Forward plus backward floating-point operations (``torch.utils.flop_counter``)."""
+    forward_flops: int
+    """Forward floating-point operations alone."""
+    output_bytes: int
+    """Bytes of the layer's output: what crosses a stage boundary placed after it."""
+    saved_bytes: int
+    """Bytes saved for backward, excluding parameters: what a stage holds per micro-batch in flight."""
+    time: float | None
+    """Median forward plus backward seconds, when measured; None otherwise."""
+
+
+def _tensors(value: object, where: str) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, tuple) and all(isinstance(v, torch.Tensor) for v in value):
+        return value
+    raise TypeError(
+        f"{where} must be a tensor or a tuple of tensors, got {type(value).__name__}; "
+        "layers of a chain pass tensors to each other"
+    )
+
+
+def _like(value: Payload, fn: Callable[[torch.Tensor], torch.Tensor]) -> Payload:
+    return fn(value) if isinstance(value, torch.Tensor) else tuple(fn(v) for v in value)
+
+
+def _fresh(value: Payload) -> Payload:
+    """A stage-boundary input: detached, and requiring grad where it is floating point."""
+    return _like(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+
+
+def _backward(output: Payload) -> None:
+    outs = [t for t in _tensors(output, "output") if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
+class _SavedBytes:
+    """Saved-tensor hooks that add up the distinct storages autograd keeps, parameters excluded."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.held = {t.untyped_storage() for t in (*module.parameters(), *module.buffers())}
+        self.storages: dict[torch.UntypedStorage, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage not in self.held:
+            self.storages[storage] = storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
+def _device_of(module: nn.Module) -> torch.device | None:
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return None
+
+
+def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
+    """A private copy of ``module`` on ``device``; a meta module gets fresh values."""
+    work = copy.deepcopy(module)
+    if _device_of(module) == torch.device("meta") and device.type != "meta":
+        work.to_empty(device=device)
+        with torch.no_grad():
+            for tensor in (*work.parameters(), *work.buffers()):
+                if tensor.is_floating_point():
+                    tensor.normal_(0.0, 0.02)
+                else:
+                    tensor.zero_()
+        for sub in work.modules():
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+    else:
+        work.to(device)
+    return work
+
+
+def _time(work: nn.Module, inputs: Payload, device: torch.device, warmup: int, repeats: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    samples = []
+    for i in range(warmup + repeats):
+        work.zero_grad(set_to_none=True)
+        x = _fresh(inputs)
+        sync()
+        start = clock.perf_counter()
+        _backward(work(x))
+        sync()
+        if i >= warmup:
+            samples.append(clock.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _choose_device(layers: Sequence[Layer], time: bool, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        chosen = torch.device(device)
+    else:
+        found = [d for d in (_device_of(layer.module) for layer in layers) if d is not None]
+        real = [d for d in found if d.type != "meta"]
+        if time:
+            chosen = real[0] if real else torch.device("cpu")
+        else:
+            chosen = torch.device("meta") if any(d.type == "meta" for d in found) or not found else found[0]
+    if time and chosen.type == "meta":
+        raise ValueError("measuring time needs a real device; pass device='cpu' or 'cuda', or time=False")
+    return chosen
+
+
+def profile(
+    model: nn.Module | Sequence[Layer],
+    sample: Payload,
+    *,
+    time: bool = False,
+    device: torch.device | str | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = False,
+) -> list[LayerCost]:
+    """The cost of each layer of a chain for one micro-batch ``sample`` of its input.
+
+    Layers run one at a time, in order, each on a private copy so the model
+    itself is never changed (no ``.grad``, no running-statistics update) and
+    peak memory is one layer. Each layer's input is the previous layer's output.
+
+    Without ``time``, a model on the meta device is profiled on the meta
+    device: parameters, FLOPs and activation bytes of a 7B-parameter model
+    come out without allocating it. With ``time=True`` each layer is made real
+    on ``device`` (meta layers are materialised and initialised one at a
+    time), and its forward plus backward is timed: ``warmup`` runs, then the
+    median of ``repeats``.
+
+    Args:
+        model: a chain (see :func:`layers_of`) or its layers.
+        sample: one micro-batch of the first layer's input.
+        time: measure forward plus backward time.
+        device: where to run; by default where the model is (meta without
+            ``time``; for ``time``, the model's real device or the CPU).
+        progress: show a progress bar on stderr.
+    """
+    layers = layers_of(model) if isinstance(model, nn.Module) else list(model)
+    if not layers:
+        raise ValueError("there are no layers to profile")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    target = _choose_device(layers, time, device)
+    _tensors(sample, "sample")
+    current: Payload = _like(sample, lambda t: t.to(target))
+    costs: list[LayerCost] = []
+    for layer in tqdm(layers, desc="profiling", disable=not progress, unit="layer"):
+        work = _materialise(layer.module, target)
+        work.train()
+        saved = _SavedBytes(work)
+        inputs = _fresh(current)
+        with FlopCounterMode(display=False) as counter:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                output = work(inputs)
+            outs = _tensors(output, f"the output of layer {layer.name!r}")
+            forward_flops = counter.get_total_flops()
+            _backward(output)
+            total_flops = counter.get_total_flops()
+        elapsed = _time(work, current, target, warmup, repeats) if time else None
+        params = list(layer.module.parameters())
+        costs.append(
+            LayerCost(
+                name=layer.name,
+                params=sum(p.numel() for p in params),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                buffer_bytes=sum(b.numel() * b.element_size() for b in layer.module.buffers()),
+                flops=int(total_flops),
+                forward_flops=int(forward_flops),
+                output_bytes=sum(t.numel() * t.element_size() for t in outs),
+                saved_bytes=saved.total,
+                time=elapsed,
+            )
+        )
+        log.debug("profiled %s: %s", layer.name, costs[-1])
+        current = _like(output, lambda t: t.detach())
+        del work, output, inputs, outs
+    return costs

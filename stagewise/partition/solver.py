@@ -1,0 +1,299 @@
+"""Exact minimum-bottleneck contiguous split, by feasibility probes over reachable stage boundaries."""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+# A closed interval [lo, hi] of layer positions; kept as a plain pair inside this
+# hot loop. Nothing outside this module sees it.
+_Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class RangeCost:
+    """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + scale[j] * sum y) / divisor[j]``.
+
+    Sums come from prefix arrays, so every cost is computed by one fixed formula;
+    the solver's comparisons and the reported loads therefore agree to the bit.
+    """
+
+    x_prefix: FloatArray
+    """Prefix sums of the per-layer ``x`` (length ``n_layers + 1``)."""
+    y_prefix: FloatArray | None
+    """Prefix sums of the per-layer ``y``, or None when the cost has no ``y`` term."""
+    scale: FloatArray
+    """Per-stage multiplier of ``y`` (ignored when ``y_prefix`` is None)."""
+    divisor: FloatArray
+    """Per-stage divisor (a stage's speed, or 1)."""
+
+    @staticmethod
+    def of_layers(
+        x: FloatArray,
+        n_stages: int,
+        *,
+        y: FloatArray | None = None,
+        scale: FloatArray | None = None,
+        divisor: FloatArray | None = None,
+    ) -> RangeCost:
+        """Build from per-layer values; ``scale`` and ``divisor`` default to ones."""
+        x_prefix = np.concatenate(([0.0], np.cumsum(x, dtype=np.float64)))
+        y_prefix = None if y is None else np.concatenate(([0.0], np.cumsum(y, dtype=np.float64)))
+        ones = np.ones(n_stages, dtype=np.float64)
+        return RangeCost(
+            x_prefix=x_prefix,
+            y_prefix=y_prefix,
+            scale=ones if scale is None else np.asarray(scale, dtype=np.float64),
+            divisor=ones if divisor is None else np.asarray(divisor, dtype=np.float64),
+        )
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.x_prefix) - 1
+
+    def of(self, stage: int, start: int, stop: int) -> float:
+        """Cost of layers ``start:stop`` on ``stage``."""
+        total = self.x_prefix[stop] - self.x_prefix[start]
+        if self.y_prefix is not None:
+            total = total + self.scale[stage] * (self.y_prefix[stop] - self.y_prefix[start])
+        return float(total / self.divisor[stage])
+
+    def singles(self, stage: int, start: int = 0, stop: int | None = None) -> FloatArray:
+        """Cost of each layer of ``start:stop`` alone on ``stage``, by the same formula as :meth:`of`."""
+        stop = self.n_layers if stop is None else stop
+        total = self.x_prefix[start + 1 : stop + 1] - self.x_prefix[start:stop]
+        if self.y_prefix is not None:
+            y = self.y_prefix[start + 1 : stop + 1] - self.y_prefix[start:stop]
+            total = total + self.scale[stage] * y
+        out: FloatArray = total / self.divisor[stage]
+        return out
+
+    def reach(self, stage: int, start: int, limit: float) -> int:
+        """The largest ``stop`` in ``[start, n]`` with ``of(stage, start, stop) <= limit``."""
+        n = self.n_layers
+        if self.y_prefix is None:
+            if math.isinf(limit):
+                return n
+            target = self.x_prefix[start] + limit * self.divisor[stage]
+            stop = int(np.searchsorted(self.x_prefix, target, side="right")) - 1
+            stop = min(max(stop, start), n)
+            # The estimate can be off by rounding; step to the exact answer.
+            while stop > start and self.of(stage, start, stop) > limit:
+                stop -= 1
+            while stop < n and self.of(stage, start, stop + 1) <= limit:
+                stop += 1
+            return stop
+        lo, hi = start, n  # of(start, lo) == 0 <= limit always holds
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.of(stage, start, mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def first_start(self, stage: int, stop: int, limit: float) -> int:
+        """The smallest ``start`` in ``[0, stop]`` with ``of(stage, start, stop) <= limit``."""
+        lo, hi = 0, stop
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.of(stage, mid, stop) <= limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+
+@dataclass(frozen=True)
+class SplitProblem:
+    """Split ``n_layers`` into ``n_stages`` non-empty contiguous stages minimising the worst objective."""
+
+    n_stages: int
+    objective: RangeCost
+    """What is minimised: the maximum over stages of this cost."""
+    constraint: RangeCost | None = None
+    """Optional per-stage cost that must stay at or below ``limits``."""
+    limits: FloatArray | None = None
+    """Per-stage upper bound of ``constraint``."""
+
+    @property
+    def n_layers(self) -> int:
+        return self.objective.n_layers
+
+
+@dataclass(frozen=True)
+class Solution:
+    """An optimal split: stage ``s`` holds layers ``bounds[s]:bounds[s + 1]``."""
+
+    bounds: tuple[int, ...]
+    bottleneck: float
+
+
+class _Prober:
+    """Answers "is there a split whose every stage costs at most T?" and produces one."""
+
+    def __init__(self, problem: SplitProblem) -> None:
+        self.p = problem
+        n, k = problem.n_layers, problem.n_stages
+        self.n, self.k = n, k
+        obj = problem.objective
+        # Worst single layer per stage: when it fits, the stage has no blockers
+        # and the probe needs no per-layer scan.
+        if obj.y_prefix is None:
+            # Division is monotone, so max(x) / d is exactly the largest x_i / d.
+            widest = float(np.max(np.diff(obj.x_prefix))) if n else 0.0
+            self.max_single = [float(np.float64(widest) / d) for d in obj.divisor]
+        else:
+            self.max_single = [float(np.max(obj.singles(j))) for j in range(k)]
+        self.con_blockers: list[npt.NDArray[np.intp] | None] = [None] * k
+        if problem.constraint is not None:
+            assert problem.limits is not None
+            for j in range(k):
+                over = problem.constraint.singles(j) > problem.limits[j]
+                self.con_blockers[j] = np.flatnonzero(over) if over.any() else None
+
+    def _fits(self, stage: int, start: int, bound: float) -> int:
+        stop = self.p.objective.reach(stage, start, bound)
+        con = self.p.constraint
+        if con is not None:
+            assert self.p.limits is not None
+            stop = min(stop, con.reach(stage, start, float(self.p.limits[stage])))
+        return stop
+
+    def _blockers(self, stage: int, lo: int, hi: int, bound: float) -> npt.NDArray[np.intp] | None:
+        """Layers in ``lo..hi`` that cannot sit alone on ``stage``; None when there are none."""
+        found: list[npt.NDArray[np.intp]] = []
+        if self.max_single[stage] > bound:
+            over = np.flatnonzero(self.p.objective.singles(stage, lo, hi + 1) > bound)
+            if over.size:
+                found.append(over + lo)
+        con = self.con_blockers[stage]
+        if con is not None:
+            inside = con[np.searchsorted(con, lo) : np.searchsorted(con, hi, side="right")]
+            if inside.size:
+                found.append(inside)
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else np.unique(np.concatenate(found))
+
+    def reachable(self, bound: float) -> list[list[_Interval]] | None:
+        """Positions where stage ``j`` can end, for each ``j``; None when layer ``n`` is unreachable.
+
+        ``sets[j]`` holds the positions reachable after ``j`` stages, as sorted
+        disjoint closed intervals. A stage starting at ``a`` can end anywhere in
+        ``a+1 .. fits(a)``; heavy layers that fit no stage on their own cut holes
+        in these sets, which is why they are interval lists and not one interval.
+        """
+        n, k = self.n, self.k
+        sets: list[list[_Interval]] = [[(0, 0)]]
+        for j in range(k):
+            last_end = n - (k - 1 - j)  # leave one layer for each later stage
+            ends: list[_Interval] = []
+            for lo, hi in sets[-1]:
+                if lo + 1 > last_end:
+                    break
+                far = self._fits(j, hi, bound)
+                blocked = self._blockers(j, lo, hi, bound)
+                start = lo + 1
+                if blocked is not None:
+                    for layer in blocked.tolist():
+                        if layer + 1 > start:
+                            ends.append((start, min(layer, last_end)))
+                        start = layer + 2  # no stage here can end just after a blocked layer
+                if far > hi:  # layer hi fits alone, so every end up to far is open
+                    ends.append((start, min(far, last_end)))
+            merged: list[_Interval] = []
+            for lo, hi in ends:
+                if lo > hi:
+                    continue
+                if merged and lo <= merged[-1][1] + 1:
+                    if hi > merged[-1][1]:
+                        merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            if not merged:
+                return None
+            sets.append(merged)
+        return sets if sets[-1][-1][1] == n else None
+
+    def witness(self, sets: list[list[_Interval]], bound: float) -> tuple[int, ...]:
+        """One split within ``bound``; backwards from the last stage, each stage starts as early as it can."""
+        bounds = [self.n]
+        stop = self.n
+        for j in range(self.k - 1, -1, -1):
+            first = self.p.objective.first_start(j, stop, bound)
+            con = self.p.constraint
+            if con is not None:
+                assert self.p.limits is not None
+                first = max(first, con.first_start(j, stop, float(self.p.limits[j])))
+            start = -1
+            for lo, hi in sets[j]:
+                if hi >= first and lo <= stop - 1:
+                    start = max(lo, first)
+                    break
+            assert 0 <= start < stop, "reachable sets and witness disagree"
+            bounds.append(start)
+            stop = start
+        return tuple(reversed(bounds))
+
+    def bottleneck(self, bounds: tuple[int, ...]) -> float:
+        obj = self.p.objective
+        return max(obj.of(j, bounds[j], bounds[j + 1]) for j in range(self.k))
+
+
+def _bits(value: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def _from_bits(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def lower_bound(problem: SplitProblem) -> float:
+    """A value no split can beat: 0, or for a plain weighted objective the usual averaging bounds."""
+    obj = problem.objective
+    if obj.y_prefix is not None or problem.n_layers == 0:
+        return 0.0
+    total = float(obj.x_prefix[-1])
+    heaviest = float(np.max(np.diff(obj.x_prefix)))
+    return max(total / float(np.sum(obj.divisor)), heaviest / float(np.max(obj.divisor)))
+
+
+def solve(problem: SplitProblem) -> Solution | None:
+    """The split with the smallest bottleneck, or None when the constraint admits no split.
+
+    Feasibility at bound T is monotone in T, and the optimum is one of the
+    float values the objective takes. The search bisects over the ordered bit
+    patterns of non-negative floats, so it ends on the exact smallest feasible
+    value after at most 64 probes; each feasible probe's witness lowers the
+    upper end to the bottleneck that split actually has.
+    """
+    prober = _Prober(problem)
+    sets = prober.reachable(math.inf)
+    if sets is None:
+        return None
+    hi = prober.bottleneck(prober.witness(sets, math.inf))
+    hi_bits = _bits(hi)
+    lo_bits = -1  # "below zero": always infeasible
+    guess = lower_bound(problem) * (1.0 - 1e-9)
+    if 0.0 < guess < hi and prober.reachable(guess) is None:
+        lo_bits = _bits(guess)
+    while hi_bits - lo_bits > 1:
+        mid_bits = (lo_bits + hi_bits) // 2
+        mid = _from_bits(mid_bits)
+        found = prober.reachable(mid)
+        if found is None:
+            lo_bits = mid_bits
+        else:
+            hi = prober.bottleneck(prober.witness(found, mid))
+            hi_bits = _bits(hi)
+    final = prober.reachable(hi)
+    assert final is not None
+    bounds = prober.witness(final, hi)
+    return Solution(bounds=bounds, bottleneck=prober.bottleneck(bounds))

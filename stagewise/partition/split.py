@@ -1,0 +1,173 @@
+"""Partition: which contiguous layers each pipeline stage owns, with its loads and memory."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stagewise.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A split of ``n_layers`` ordered layers into ``n_stages`` non-empty contiguous stages.
+
+    Stage ``s`` owns layers ``bounds[s]:bounds[s + 1]``. Build one with
+    :func:`stagewise.partition.balance`, or directly from known bounds.
+    """
+
+    bounds: tuple[int, ...]
+    """Stage boundaries: ``bounds[0] == 0``, strictly increasing, ``bounds[-1] == n_layers``."""
+    loads: tuple[float, ...]
+    """Per stage: the summed weight of its layers (time, FLOPs, parameters or bytes)."""
+    speeds: tuple[float, ...]
+    """Per stage: the relative speed of its device; a stage's time is ``load / speed``."""
+    memory: tuple[float, ...] | None = None
+    """Per stage: bytes the stage needs, when a memory model was given."""
+    capacities: tuple[float, ...] | None = None
+    """Per stage: bytes its device offers, when capacities were given."""
+    names: tuple[str, ...] | None = None
+    """Per layer: its name in the unsplit model, when known."""
+    params: tuple[int, ...] | None = None
+    """Per stage: parameter count, when known."""
+
+    def __post_init__(self) -> None:
+        b = self.bounds
+        k = len(b) - 1
+        if k < 1 or b[0] != 0 or any(b[i] >= b[i + 1] for i in range(k)):
+            raise ValueError(f"bounds must start at 0 and strictly increase (no empty stage), got {list(b)}")
+        for field, values in (
+            ("loads", self.loads),
+            ("speeds", self.speeds),
+            ("memory", self.memory),
+            ("capacities", self.capacities),
+            ("params", self.params),
+        ):
+            if values is not None and len(values) != k:
+                raise ValueError(f"{field} has {len(values)} entries for {k} stages; give one per stage")
+        if self.names is not None and len(self.names) != b[-1]:
+            raise ValueError(f"names has {len(self.names)} entries for {b[-1]} layers; give one per layer")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def n_layers(self) -> int:
+        return self.bounds[-1]
+
+    @property
+    def times(self) -> tuple[float, ...]:
+        """Per stage: ``load / speed``, the quantity whose maximum is minimised."""
+        return tuple(load / speed for load, speed in zip(self.loads, self.speeds, strict=True))
+
+    @property
+    def bottleneck(self) -> float:
+        """The slowest stage's ``load / speed``."""
+        return max(self.times)
+
+    @property
+    def imbalance(self) -> float:
+        """Bottleneck over the mean stage time: 1.0 is perfect balance."""
+        mean = sum(self.times) / self.n_stages
+        return self.bottleneck / mean if mean > 0 else 1.0
+
+    def layers(self, stage: int) -> range:
+        """The layer indices of ``stage``."""
+        if not 0 <= stage < self.n_stages:
+            raise IndexError(f"stage {stage} out of range; this partition has {self.n_stages} stages")
+        return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def stage_of(self, layer: int) -> int:
+        """The stage that owns ``layer``."""
+        if not 0 <= layer < self.n_layers:
+            raise IndexError(f"layer {layer} out of range; this partition has {self.n_layers} layers")
+        lo, hi = 0, self.n_stages - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.bounds[mid] <= layer:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def report(self) -> str:
+        """A table: stage, layer range, first and last layer names, params, load share, memory."""
+        total = sum(self.loads) or 1.0
+        header = ["stage", "layers", "first .. last", "params", "load", "share", "time"]
+        if self.memory is not None:
+            header.append("memory")
+        if self.capacities is not None:
+            header.append("capacity")
+        rows = [header]
+        for s in range(self.n_stages):
+            lo, hi = self.bounds[s], self.bounds[s + 1]
+            span = f"{self.names[lo]} .. {self.names[hi - 1]}" if self.names else f"{lo} .. {hi - 1}"
+            row = [
+                str(s),
+                f"{lo}:{hi}",
+                span,
+                f"{self.params[s]:,}" if self.params is not None else "-",
+                f"{self.loads[s]:.4g}",
+                f"{100 * self.loads[s] / total:.1f}%",
+                f"{self.times[s]:.4g}",
+            ]
+            if self.memory is not None:
+                row.append(format_bytes(self.memory[s]))
+            if self.capacities is not None:
+                row.append(format_bytes(self.capacities[s]))
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(
+            f"bottleneck {self.bottleneck:.6g}, imbalance {self.imbalance:.3f} "
+            f"(bottleneck / mean stage time; 1.000 is perfect)"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        """This partition as a JSON object; :meth:`from_json` reads it back."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Partition:
+        """Read a partition written by :meth:`to_json`."""
+        try:
+            data: dict[str, Any] = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not a JSON partition: {err}") from err
+        if not isinstance(data, dict) or "bounds" not in data:
+            raise ValueError("a JSON partition is an object with at least 'bounds', 'loads' and 'speeds'")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown fields in JSON partition: {unknown}; expected a subset of {sorted(known)}")
+
+        def tup(key: str) -> tuple[Any, ...] | None:
+            value = data.get(key)
+            return None if value is None else tuple(value)
+
+        bounds = tuple(int(b) for b in data["bounds"])
+        k = len(bounds) - 1
+        return cls(
+            bounds=bounds,
+            loads=tuple(float(x) for x in data.get("loads", [0.0] * k)),
+            speeds=tuple(float(x) for x in data.get("speeds", [1.0] * k)),
+            memory=tup("memory"),
+            capacities=tup("capacities"),
+            names=tup("names"),
+            params=tup("params"),
+        )
+
+    @classmethod
+    def from_bounds(cls, bounds: Sequence[int], weights: Sequence[float] | None = None) -> Partition:
+        """A partition with the given bounds; loads are summed from ``weights`` (or layer counts)."""
+        b = tuple(int(x) for x in bounds)
+        w = [1.0] * (b[-1] if b else 0) if weights is None else [float(x) for x in weights]
+        if b and len(w) != b[-1]:
+            raise ValueError(f"bounds end at layer {b[-1]} but {len(w)} weights were given")
+        loads = tuple(sum(w[b[s] : b[s + 1]]) for s in range(len(b) - 1))
+        return cls(bounds=b, loads=loads, speeds=(1.0,) * len(loads))

@@ -1,0 +1,152 @@
+"""balance() against brute-force enumeration of every split, on random inputs."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from stagewise.partition import CapacityError, MemoryModel, balance
+
+# Integer-valued weights and memory make every sum exact in float64, so the
+# brute force and the solver agree to the bit, ties included.
+small_int = st.integers(min_value=0, max_value=20).map(float)
+
+
+def splits(n: int, k: int) -> list[tuple[int, ...]]:
+    return [(0, *cuts, n) for cuts in itertools.combinations(range(1, n), k - 1)]
+
+
+def brute(
+    weights: list[float],
+    k: int,
+    speeds: list[float],
+    memory: MemoryModel | None,
+    capacities: list[float] | None,
+) -> tuple[float | None, list[tuple[int, ...]]]:
+    """The optimal bottleneck and every split that reaches it (None: no split fits)."""
+    best: float | None = None
+    winners: list[tuple[int, ...]] = []
+    for b in splits(len(weights), k):
+        if memory is not None and capacities is not None:
+            if any(memory.stage_bytes(j, b[j], b[j + 1]) > capacities[j] for j in range(k)):
+                continue
+        worst = max(sum(weights[b[j] : b[j + 1]]) / speeds[j] for j in range(k))
+        if best is None or worst < best:
+            best, winners = worst, [b]
+        elif worst == best:
+            winners.append(b)
+    return best, winners
+
+
+@st.composite
+def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[str, object]:
+    n = draw(st.integers(1, 12))
+    k = draw(st.integers(1, min(6, n)))
+    weights = draw(st.lists(small_int, min_size=n, max_size=n))
+    speeds = draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 0.25]), min_size=k, max_size=k)) if with_speeds else None
+    memory = capacities = None
+    if with_capacities:
+        memory = MemoryModel(
+            fixed=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
+            activation=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
+            in_flight=tuple(draw(st.lists(st.integers(0, 4), min_size=k, max_size=k))),
+        )
+        capacities = draw(st.lists(st.integers(1, 150).map(float), min_size=k, max_size=k))
+    return {"weights": weights, "k": k, "speeds": speeds, "memory": memory, "capacities": capacities}
+
+
+def check_against_brute(p: dict[str, object]) -> None:
+    weights, k = p["weights"], p["k"]
+    assert isinstance(weights, list) and isinstance(k, int)
+    speeds = p["speeds"]
+    memory, capacities = p["memory"], p["capacities"]
+    assert memory is None or isinstance(memory, MemoryModel)
+    best, winners = brute(weights, k, speeds or [1.0] * k, memory, capacities)  # type: ignore[arg-type]
+    if best is None:
+        with pytest.raises(CapacityError):
+            balance(weights, k, speeds=speeds, memory=memory, capacities=capacities)  # type: ignore[arg-type]
+        return
+    part = balance(weights, k, speeds=speeds, memory=memory, capacities=capacities)  # type: ignore[arg-type]
+    assert part.bottleneck == best
+    # Valid: covers every layer in order, no empty stage, capacities hold.
+    b = part.bounds
+    assert b[0] == 0 and b[-1] == len(weights) and len(b) == k + 1
+    assert all(b[j] < b[j + 1] for j in range(k))
+    if memory is not None and capacities is not None:
+        assert all(memory.stage_bytes(j, b[j], b[j + 1]) <= capacities[j] for j in range(k))
+    # The documented tie-break: backwards from the last stage, each starts as early as it can.
+    assert b == min(winners, key=lambda w: tuple(reversed(w)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems(with_speeds=False, with_capacities=False))
+def test_equals_brute_force(p: dict[str, object]) -> None:
+    check_against_brute(p)
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems(with_speeds=True, with_capacities=False))
+def test_equals_brute_force_with_speeds(p: dict[str, object]) -> None:
+    check_against_brute(p)
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems(with_speeds=False, with_capacities=True))
+def test_equals_brute_force_with_capacities(p: dict[str, object]) -> None:
+    check_against_brute(p)
+
+
+@settings(max_examples=400, deadline=None)
+@given(problems(with_speeds=True, with_capacities=True))
+def test_equals_brute_force_with_speeds_and_capacities(p: dict[str, object]) -> None:
+    check_against_brute(p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e6, allow_nan=False, allow_infinity=False), min_size=1, max_size=12),
+    st.integers(1, 6),
+)
+def test_equals_brute_force_on_real_floats(weights: list[float], k: int) -> None:
+    assume(k <= len(weights))
+    best, _ = brute(weights, k, [1.0] * k, None, None)
+    assert best is not None
+    assert math.isclose(balance(weights, k).bottleneck, best, rel_tol=1e-12, abs_tol=1e-300)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(small_int, min_size=2, max_size=12),
+    st.integers(1, 5),
+    st.lists(small_int, min_size=12, max_size=12),
+    st.integers(1, 200).map(float),
+)
+def test_adding_a_stage_never_raises_the_bottleneck(
+    weights: list[float], k: int, memory: list[float], capacity: float
+) -> None:
+    n = len(weights)
+    assume(k + 1 <= n)
+    mem = memory[:n]
+    try:
+        fewer = balance(weights, k, memory=mem, capacities=[capacity] * k)
+    except CapacityError:
+        return
+    more = balance(weights, k + 1, memory=mem, capacities=[capacity] * (k + 1))
+    assert more.bottleneck <= fewer.bottleneck
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e6, allow_nan=False), min_size=1, max_size=12),
+    st.integers(1, 6),
+    st.sampled_from([0.5, 2.0, 1024.0, 3.0, 1e-3]),
+)
+def test_scaling_weights_scales_the_bottleneck(weights: list[float], k: int, factor: float) -> None:
+    assume(k <= len(weights))
+    base = balance(weights, k).bottleneck
+    scaled = balance([w * factor for w in weights], k).bottleneck
+    assert math.isclose(scaled, base * factor, rel_tol=1e-12, abs_tol=1e-300)
