@@ -49,7 +49,8 @@ def _vector(field: str, values: Weights, *, length: int | None, positive: bool =
         i = int(np.flatnonzero(bad)[0])
         need = "positive and finite" if positive else "finite and >= 0"
         raise ValueError(
-            f"{field}[{i}] is {float(array[i])!r}; every entry must be {need} ({int(bad.sum())} of {len(array)} are not)"
+            f"{field}[{i}] is {float(array[i])!r}; every entry must be {need} "
+            f"({int(bad.sum())} of {len(array)} are not)"
         )
     return array
 

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from stagewise.partition.attention import FLOP_FORMULAS, FusedAttentionOnMeta
 from stagewise.partition.layers import Layer, layers_of
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,9 @@ class LayerCost:
     output_bytes: int
     """Bytes of the layer's output: what crosses a stage boundary placed after it."""
     saved_bytes: int
-    """Bytes saved for backward, excluding parameters: what a stage holds per micro-batch in flight."""
+    """Bytes saved for backward, excluding parameters: what a stage holds per micro-batch in flight.
+
+    Attention counts as the fused kernel (output and log-sum-exp saved), on meta too."""
     time: float | None
     """Median forward plus backward seconds, when measured; None otherwise."""
 
@@ -199,8 +202,8 @@ def profile(
         work.train()
         saved = _SavedBytes(work)
         inputs = _fresh(current)
-        with FlopCounterMode(display=False) as counter:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), FusedAttentionOnMeta():
                 output = work(inputs)
             outs = _tensors(output, f"the output of layer {layer.name!r}")
             forward_flops = counter.get_total_flops()

@@ -121,7 +121,9 @@ def test_bad_input(kwargs: dict[str, object], error: type[Exception], pattern: s
 
 
 def test_layer_larger_than_every_capacity_is_named() -> None:
-    with pytest.raises(CapacityError, match=r"layer 2 \('blocks.1'\) alone needs 50 B but the largest capacity is 40 B") as info:
+    with pytest.raises(
+        CapacityError, match=r"layer 2 \('blocks.1'\) alone needs 50 B but the largest capacity is 40 B"
+    ) as info:
         balance(
             [1.0] * 4,
             2,
@@ -134,7 +136,9 @@ def test_layer_larger_than_every_capacity_is_named() -> None:
 
 def test_unmeetable_capacities_name_the_overflowing_stage() -> None:
     # 4 layers of 10 bytes in 2 stages of 15: the best split needs 20 somewhere.
-    with pytest.raises(CapacityError, match=r"stage 0 \(layers 0:2, a .. b\) needs 20 B > capacity 15 B, over by 5 B") as info:
+    with pytest.raises(
+        CapacityError, match=r"stage 0 \(layers 0:2, a .. b\) needs 20 B > capacity 15 B, over by 5 B"
+    ) as info:
         balance([1.0] * 4, 2, memory=[10.0] * 4, capacities=[15.0, 15.0], names=["a", "b", "c", "d"])
     assert info.value.stage == 0 and info.value.overflow == 5.0
     assert math.isclose(info.value.overflow, 5.0)

@@ -31,9 +31,12 @@ def brute(
     best: float | None = None
     winners: list[tuple[int, ...]] = []
     for b in splits(len(weights), k):
-        if memory is not None and capacities is not None:
-            if any(memory.stage_bytes(j, b[j], b[j + 1]) > capacities[j] for j in range(k)):
-                continue
+        if (
+            memory is not None
+            and capacities is not None
+            and any(memory.stage_bytes(j, b[j], b[j + 1]) > capacities[j] for j in range(k))
+        ):
+            continue
         worst = max(sum(weights[b[j] : b[j + 1]]) / speeds[j] for j in range(k))
         if best is None or worst < best:
             best, winners = worst, [b]
@@ -47,7 +50,9 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
     n = draw(st.integers(1, 12))
     k = draw(st.integers(1, min(6, n)))
     weights = draw(st.lists(small_int, min_size=n, max_size=n))
-    speeds = draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 0.25]), min_size=k, max_size=k)) if with_speeds else None
+    speeds = (
+        draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 0.25]), min_size=k, max_size=k)) if with_speeds else None
+    )
     memory = capacities = None
     if with_capacities:
         memory = MemoryModel(

@@ -1,0 +1,68 @@
+"""Count scaled-dot-product attention as the fused kernel that real devices run, on every device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import flop_counter
+
+aten = torch.ops.aten
+
+
+def _same_as(op: Any) -> Callable[..., int]:
+    """The formula torch registered for ``op``, already taking raw arguments."""
+    formula = flop_counter.flop_registry[op]
+
+    def count(*args: Any, **kwargs: Any) -> int:
+        return int(formula(*args, **kwargs))
+
+    count._get_raw = True  # type: ignore[attr-defined]  # FlopCounterMode's flag: do not wrap again
+    return count
+
+
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    # torch's counter knows the CUDA fused kernels but not the CPU flash kernel, which has the same shape.
+    aten._scaled_dot_product_flash_attention_for_cpu: _same_as(aten._scaled_dot_product_flash_attention),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _same_as(
+        aten._scaled_dot_product_flash_attention_backward
+    ),
+}
+"""Extra formulas for ``FlopCounterMode(custom_mapping=...)``."""
+
+
+class FusedAttentionOnMeta(TorchFunctionMode):
+    """Runs ``scaled_dot_product_attention`` on meta tensors through the fused kernels' meta versions.
+
+    On the meta device torch falls back to the unfused math path, which saves
+    the whole attention matrix for backward; GPUs and CPUs run a fused kernel
+    that saves only the output and the log-sum-exp, and recomputes the rest.
+    Under this mode meta profiling counts what the fused kernel does.
+    """
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention or not args or args[0].device.type != "meta":
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        if bound.get("enable_gqa", False):
+            return func(*args, **kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        dropout = float(bound.get("dropout_p", 0.0))
+        causal = bool(bound.get("is_causal", False))
+        scale = bound.get("scale")
+        mask = bound.get("attn_mask")
+        if mask is None:
+            return aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, scale=scale)[0]
+        needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
+        return aten._scaled_dot_product_efficient_attention(q, k, v, mask, needs_grad, dropout, causal, scale=scale)[0]

@@ -1,0 +1,135 @@
+"""profile(): FLOPs, parameters and activation bytes of real modules, on real and meta devices."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from stagewise.models import GPT, GPTConfig
+from stagewise.partition import LayerCost, profile
+
+
+def test_linear_flops_params_and_bytes() -> None:
+    batch, fan_in, fan_out = 8, 64, 32
+    model = nn.Sequential(nn.Linear(fan_in, fan_out), nn.ReLU())
+    (linear, relu) = profile(model, torch.randn(batch, fan_in))
+    per_pass = 2 * fan_in * fan_out * batch
+    assert linear.forward_flops == per_pass
+    # Backward is two passes of the same size: gradient of the input and of the weight.
+    assert linear.flops == 3 * per_pass
+    assert linear.params == fan_in * fan_out + fan_out
+    assert linear.param_bytes == 4 * linear.params
+    assert linear.output_bytes == 4 * batch * fan_out
+    # Linear keeps its input for the weight gradient; the weight itself is not an activation.
+    assert linear.saved_bytes == 4 * batch * fan_in
+    # ReLU keeps its output.
+    assert relu.saved_bytes == 4 * batch * fan_out
+    assert relu.params == 0 and relu.flops == 0
+    assert linear.time is None
+
+
+def test_meta_and_real_give_the_same_counts() -> None:
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    ids = torch.randint(0, 64, (2, 16))
+    real = profile(GPT(cfg), ids)
+    meta = profile(GPT(cfg, device="meta"), ids)
+    for r, m in zip(real, meta, strict=True):
+        assert (r.name, r.params, r.param_bytes, r.flops, r.forward_flops, r.output_bytes) == (
+            m.name,
+            m.params,
+            m.param_bytes,
+            m.flops,
+            m.forward_flops,
+            m.output_bytes,
+        )
+        # The fused attention kernel's meta version also keeps its two RNG-state scalars.
+        assert r.saved_bytes <= m.saved_bytes <= r.saved_bytes + 64
+    blocks = [c for c in meta if c.name.startswith("blocks.")]
+    d, t, b = 32, 16, 2
+    # Attention and MLP matmuls: qkv (3d^2), proj (d^2), MLP (8d^2) per token, times 2 for multiply-add.
+    dense = 2 * b * t * 12 * d * d
+    attention = 2 * (2 * b * t * t * d)  # scores and weighted sum, causal mask not discounted
+    assert all(c.forward_flops == dense + attention for c in blocks)
+    assert all(c.params == 12 * d * d + 13 * d for c in blocks)
+
+
+def test_profile_leaves_the_model_untouched() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    costs = profile(model, torch.randn(16, 4), time=True, repeats=2, warmup=1)
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key])
+    assert costs[1].buffer_bytes == model[1].running_mean.numel() * 4 * 2 + 8
+
+
+def test_time_is_measured_and_meta_layers_are_materialised() -> None:
+    cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
+    costs = profile(GPT(cfg, device="meta"), torch.randint(0, 64, (2, 16)), time=True, repeats=3, warmup=1)
+    assert all(c.time is not None and c.time > 0 for c in costs)
+
+
+def test_tuples_flow_between_layers() -> None:
+    class Split(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, (x > 0)
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            out: torch.Tensor = self.lin(x[0]) * x[1]
+            return out
+
+    costs = profile(nn.Sequential(Split(), Masked()), torch.randn(3, 4))
+    assert costs[0].output_bytes == 3 * 4 * 4 + 3 * 4 * 1  # float hidden plus bool mask
+    assert costs[1].forward_flops == 2 * 3 * 4 * 4
+
+
+def test_bad_outputs_and_arguments() -> None:
+    class Dict(nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"x": x}
+
+    with pytest.raises(TypeError, match=r"the output of layer '0' must be a tensor or a tuple of tensors, got dict"):
+        profile(nn.Sequential(Dict()), torch.randn(2))
+    with pytest.raises(TypeError, match=r"sample must be a tensor or a tuple of tensors, got list"):
+        profile(nn.Sequential(nn.ReLU()), [torch.randn(2)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"measuring time needs a real device"):
+        profile(nn.Sequential(nn.ReLU()), torch.randn(2), time=True, device="meta")
+    with pytest.raises(ValueError, match=r"need warmup >= 0 and repeats >= 1, got warmup=0, repeats=0"):
+        profile(nn.Sequential(nn.ReLU()), torch.randn(2), repeats=0, warmup=0)
+
+
+_BIG = """
+import json, resource, torch
+from stagewise.models import build
+from stagewise.partition import profile
+model = build("gpt-7b", device="meta")
+costs = profile(model, torch.zeros(1, 2048, dtype=torch.long))
+print(json.dumps({"params": sum(c.params for c in costs), "flops": sum(c.flops for c in costs),
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_seven_billion_parameters_on_meta_without_allocating() -> None:
+    out = subprocess.run([sys.executable, "-c", _BIG], capture_output=True, text=True, check=True, timeout=170)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["params"] >= 5e9
+    model_bytes = 4 * result["params"]
+    # The process holds torch itself (a few hundred MB), never the 27 GB of weights.
+    assert result["peak_rss"] < 2 * 2**30 < model_bytes / 10
+    assert result["flops"] > 6 * result["params"] * 2048 * 0.9
+
+
+def test_layer_cost_is_a_plain_record() -> None:
+    cost = LayerCost("x", 1, 4, 0, 6, 2, 4, 4, None)
+    assert cost.name == "x" and cost.flops == 6

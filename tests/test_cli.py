@@ -1,0 +1,68 @@
+"""The command line: `stagewise partition` prints the optimal split and refuses bad values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stagewise.cli import main
+from stagewise.partition import Partition
+
+
+def test_partition_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    assert main(["partition", "--model", "gpt-tiny", "--stages", "3", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "gpt-tiny: 7 layers" in out
+    assert "embed .. " in out and ".. head" in out
+    part = Partition.from_json(out_file.read_text())
+    assert part.n_stages == 3 and part.n_layers == 7
+    assert part.names is not None and part.names[0] == "embed"
+
+
+def test_partition_by_time_with_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["partition", "--model", "gpt-tiny", "--stages", "2", "--by", "time", "--capacity", "1GiB"])
+    assert code == 0
+    assert "balanced by time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stages", "9"], "cannot split 7 layers into 9 non-empty stages"),
+        (["--capacity", "6MiB"], "no split of 7 layers into 4 stages fits the capacities"),
+        (["--capacity", "1KiB"], "alone needs"),
+        (["--speeds", "1,2,3"], "--speeds has 3 values for 4 stages"),
+        (["--seq-len", "4096"], "--seq-len 4096 exceeds gpt-tiny's longest sequence 128"),
+    ],
+)
+def test_bad_values_give_exit_2_and_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["partition", "--model", "gpt-tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--stages", "0"], ["--stages", "x"], ["--model", "nope"], ["--capacity", "lots"], ["--by", "vibes"]],
+)
+def test_invalid_arguments_are_refused_by_the_parser(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["partition", *argv])
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_module_entry_point() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "stagewise", "partition", "--model", "gpt-tiny", "--stages", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "bottleneck" in out.stdout
