@@ -100,6 +100,17 @@ class RangeCost:
 
     def first_start(self, stage: int, stop: int, limit: float) -> int:
         """The smallest ``start`` in ``[0, stop]`` with ``of(stage, start, stop) <= limit``."""
+        if self.y_prefix is None:
+            if math.isinf(limit):
+                return 0
+            target = self.x_prefix[stop] - limit * self.divisor[stage]
+            start = min(max(int(np.searchsorted(self.x_prefix, target, side="left")), 0), stop)
+            # The estimate can be off by rounding; step to the exact answer.
+            while start < stop and self.of(stage, start, stop) > limit:
+                start += 1
+            while start > 0 and self.of(stage, start - 1, stop) <= limit:
+                start -= 1
+            return start
         lo, hi = 0, stop
         while lo < hi:
             mid = (lo + hi) // 2
@@ -271,8 +282,8 @@ def solve(problem: SplitProblem) -> Solution | None:
     Feasibility at bound T is monotone in T, and the optimum is one of the
     float values the objective takes. The search bisects over the ordered bit
     patterns of non-negative floats, so it ends on the exact smallest feasible
-    value after at most 64 probes; each feasible probe's witness lowers the
-    upper end to the bottleneck that split actually has.
+    value after at most 64 probes. The split returned is the witness of the
+    final probe, so its bottleneck is that smallest feasible value.
     """
     prober = _Prober(problem)
     sets = prober.reachable(math.inf)
@@ -286,13 +297,11 @@ def solve(problem: SplitProblem) -> Solution | None:
         lo_bits = _bits(guess)
     while hi_bits - lo_bits > 1:
         mid_bits = (lo_bits + hi_bits) // 2
-        mid = _from_bits(mid_bits)
-        found = prober.reachable(mid)
-        if found is None:
+        if prober.reachable(_from_bits(mid_bits)) is None:
             lo_bits = mid_bits
         else:
-            hi = prober.bottleneck(prober.witness(found, mid))
-            hi_bits = _bits(hi)
+            hi_bits = mid_bits
+    hi = _from_bits(hi_bits)
     final = prober.reachable(hi)
     assert final is not None
     bounds = prober.witness(final, hi)

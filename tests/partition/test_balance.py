@@ -142,3 +142,11 @@ def test_unmeetable_capacities_name_the_overflowing_stage() -> None:
         balance([1.0] * 4, 2, memory=[10.0] * 4, capacities=[15.0, 15.0], names=["a", "b", "c", "d"])
     assert info.value.stage == 0 and info.value.overflow == 5.0
     assert math.isclose(info.value.overflow, 5.0)
+
+
+def test_the_readme_example() -> None:
+    part = balance([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0], n_stages=3)
+    assert part.bounds == (0, 4, 6, 8)
+    assert part.loads == (9.0, 14.0, 8.0)
+    assert part.bottleneck == 14.0
+    assert part.stage_of(5) == 1
