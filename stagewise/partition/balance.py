@@ -166,6 +166,8 @@ def balance(
     n = len(w)
     if n == 0:
         raise ValueError("there are no layers to split (weights is empty); give one weight per layer")
+    if not np.isfinite(w.sum()):
+        raise ValueError(f"weights sum to {float(w.sum())!r}, which overflows float64; scale them down")
     if n_stages > n:
         raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages; use n_stages <= {n}")
     if names is not None and len(names) != n:

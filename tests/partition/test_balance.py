@@ -94,6 +94,7 @@ def test_zero_weights_are_allowed() -> None:
         ({"weights": [1.0, -2.0, 3.0]}, ValueError, r"weights\[1\] is -2\.0; every entry must be finite and >= 0"),
         ({"weights": [1.0, float("nan"), 3.0]}, ValueError, r"weights\[1\] is nan"),
         ({"weights": [1.0, 2.0, float("inf")]}, ValueError, r"weights\[2\] is inf"),
+        ({"weights": [1e308, 1e308, 1.0]}, ValueError, r"weights sum to inf, which overflows float64; scale them down"),
         ({"weights": "abc"}, TypeError, r"weights must be a sequence of numbers, got str"),
         ({"weights": [1.0, "x", 2.0]}, TypeError, r"weights must be a sequence of numbers"),
         ({"weights": [[1.0, 2.0]]}, ValueError, r"weights must be one-dimensional, got shape \(1, 2\)"),
