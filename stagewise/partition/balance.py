@@ -166,8 +166,10 @@ def balance(
     n = len(w)
     if n == 0:
         raise ValueError("there are no layers to split (weights is empty); give one weight per layer")
-    if not np.isfinite(w.sum()):
-        raise ValueError(f"weights sum to {float(w.sum())!r}, which overflows float64; scale them down")
+    with np.errstate(over="ignore"):
+        total = float(w.sum())
+    if not math.isfinite(total):
+        raise ValueError(f"weights sum to {total!r}, which overflows float64; scale them down")
     if n_stages > n:
         raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages; use n_stages <= {n}")
     if names is not None and len(names) != n:
