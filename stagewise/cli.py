@@ -1,4 +1,4 @@
-"""The command line: ``stagewise partition`` profiles a model and prints its optimal split."""
+"""The command line: ``partition`` prints a model's optimal split; ``schedule`` checks, times and draws a schedule."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from typing import get_args
 
 import torch
 
-from stagewise.models import PRESETS, build
+from stagewise.models import PRESETS
+from stagewise.models import build as build_model
 from stagewise.partition import By, MemorySchedule, balance_costs, profile
+from stagewise.pipeline import Schedule, ScheduleName, StageCosts, render, simulate, to_chrome_trace
+from stagewise.pipeline import build as build_schedule
 from stagewise.units import format_bytes, parse_bytes
 
 
@@ -67,7 +70,61 @@ def parser() -> argparse.ArgumentParser:
     part.add_argument("--state-multiplier", type=float, default=4.0, help="parameter copies kept (4: Adam)")
     part.add_argument("--device", default="cpu", help="where --by time measures")
     part.add_argument("--json", type=Path, default=None, help="also write the partition as JSON here")
+    sched = commands.add_parser(
+        "schedule",
+        help="validate, simulate and draw a pipeline schedule",
+        description="Build a schedule (or read one from a file), check it, simulate one step with the "
+        "given per-stage costs, and print its step time, bubble and peak micro-batches in flight.",
+    )
+    source = sched.add_mutually_exclusive_group(required=True)
+    source.add_argument("name", nargs="?", choices=get_args(ScheduleName), help="a built-in schedule")
+    source.add_argument("--file", type=Path, help="a schedule in text form ('rank 0: 0F0 0F1 0B0 ...')")
+    sched.add_argument("--stages", type=_positive_int, default=4, help="stages (ranks x virtual stages)")
+    sched.add_argument("--microbatches", type=_positive_int, default=8, help="micro-batches per step")
+    sched.add_argument("--virtual", type=_positive_int, default=1, help="stages per rank (interleaved)")
+    sched.add_argument("--forward", type=float, default=1.0, help="time of one forward, per stage")
+    sched.add_argument("--backward", type=float, default=None, help="time of one backward (default 2x forward)")
+    sched.add_argument("--input-grad", type=float, default=None, help="time of I (default half of backward)")
+    sched.add_argument("--weight-grad", type=float, default=None, help="time of W (default the rest)")
+    sched.add_argument("--transfer", type=float, default=0.0, help="time to send between ranks")
+    sched.add_argument("--text", action="store_true", help="print the schedule's actions")
+    sched.add_argument("--picture", type=Path, default=None, help="draw the timeline here (.png or .svg)")
+    sched.add_argument("--trace", type=Path, default=None, help="write a Chrome/Perfetto trace here")
     return top
+
+
+def _schedule(args: argparse.Namespace) -> int:
+    if args.file is not None:
+        schedule = Schedule.load(args.file)
+    else:
+        schedule = build_schedule(args.name, args.stages, args.microbatches, n_virtual=args.virtual)
+    costs = StageCosts.of(
+        schedule.n_stages,
+        forward=args.forward,
+        backward=args.backward,
+        input_grad=args.input_grad,
+        weight_grad=args.weight_grad,
+        transfer=args.transfer,
+    )
+    result = simulate(schedule, costs)
+    if args.text:
+        print(schedule.to_text(), end="")
+    print(
+        f"{schedule.name}: {schedule.n_stages} stages on {schedule.n_ranks} ranks, "
+        f"{schedule.n_microbatches} micro-batches: valid"
+    )
+    print(f"step time {result.step_time:g}, bubble {result.bubble:.1%}")
+    print("peak micro-batches in flight per stage: " + " ".join(str(q) for q in result.peak_in_flight))
+    for rank, (busy, idle) in enumerate(zip(result.busy, result.idle, strict=True)):
+        print(f"rank {rank}: busy {busy:g}, idle {idle:g}")
+    if args.picture is not None:
+        title = f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_microbatches} micro-batches, "
+        render(result.timeline, args.picture, title=title + f"step {result.step_time:g}, bubble {result.bubble:.1%}")
+        print(f"wrote {args.picture}")
+    if args.trace is not None:
+        to_chrome_trace(result.timeline, args.trace)
+        print(f"wrote {args.trace}")
+    return 0
 
 
 def _partition(args: argparse.Namespace) -> int:
@@ -75,7 +132,7 @@ def _partition(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or config.seq_len
     if seq_len > config.seq_len:
         raise ValueError(f"--seq-len {seq_len} exceeds {args.model}'s longest sequence {config.seq_len}")
-    model = build(args.model, device="meta")
+    model = build_model(args.model, device="meta")
     sample = torch.zeros(args.micro_batch_size, seq_len, dtype=torch.long)
     timed = args.by == "time"
     costs = profile(model, sample, time=timed, device=args.device if timed else None, progress=timed)
@@ -107,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        return _partition(args)
-    except (ValueError, TypeError, OSError) as err:
+        return _schedule(args) if args.command == "schedule" else _partition(args)
+    except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"stagewise {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -66,3 +66,34 @@ def test_module_entry_point() -> None:
         check=True,
     )
     assert "bottleneck" in out.stdout
+
+
+def test_schedule_prints_the_simulation(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    picture, trace = tmp_path / "zb.png", tmp_path / "zb.json"
+    argv = ["schedule", "zero-bubble", "--input-grad", "1", "--weight-grad", "1", "--trace", str(trace), "--text"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: 0F0 0F1 0F2 0F3 0I0" in out
+    assert "step time 27, bubble 11.1%" in out
+    assert "peak micro-batches in flight per stage: 4 3 2 1" in out
+    assert trace.exists()
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    assert main(["schedule", "1f1b", "--picture", str(picture)]) == 0
+    assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_schedule_from_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "mine.txt"
+    path.write_text("rank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1\n")
+    assert main(["schedule", "--file", str(path)]) == 0
+    assert "mine: 2 stages on 2 ranks, 2 micro-batches: valid" in capsys.readouterr().out
+    path.write_text("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1\n")
+    assert main(["schedule", "--file", str(path)]) == 2
+    assert "deadlock" in capsys.readouterr().err
+
+
+def test_schedule_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "interleaved-1f1b", "--stages", "8", "--virtual", "2", "--microbatches", "6"]) == 2
+    assert "multiple of the number of ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["schedule", "pipedream"])

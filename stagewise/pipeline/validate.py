@@ -1,0 +1,144 @@
+"""validate(): every action once, dependencies in order, no deadlock, messages matched in order."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.engine import ScheduleError, backward_kinds, execute, inputs
+
+_WHY = {
+    (Kind.F, Kind.F): "a forward needs the previous stage's forward",
+    (Kind.B, Kind.F): "a backward needs its own forward",
+    (Kind.I, Kind.F): "a backward needs its own forward",
+    (Kind.B, Kind.B): "a backward needs the next stage's backward",
+    (Kind.B, Kind.I): "a backward needs the next stage's backward",
+    (Kind.I, Kind.B): "a backward needs the next stage's backward",
+    (Kind.I, Kind.I): "a backward needs the next stage's backward",
+    (Kind.W, Kind.I): "W comes after its I",
+}
+
+
+@dataclass(frozen=True)
+class ScheduleReport:
+    """What a valid schedule implies."""
+
+    peak_in_flight: tuple[int, ...]
+    """Per stage: the most micro-batches forwarded whose backward (B or I) has not run yet."""
+    messages: int
+    """Point-to-point messages between ranks in one step."""
+
+
+def _where(schedule: Schedule) -> dict[Action, list[tuple[int, int]]]:
+    found: dict[Action, list[tuple[int, int]]] = defaultdict(list)
+    for rank, actions in enumerate(schedule.ranks):
+        for i, action in enumerate(actions):
+            found[action].append((rank, i))
+    return found
+
+
+def _check_each_once(schedule: Schedule, where: dict[Action, list[tuple[int, int]]]) -> None:
+    def at(action: Action) -> str:
+        return ", ".join(f"rank {r} action {i}" for r, i in where.get(action, []))
+
+    for stage in range(schedule.n_stages):
+        for mb in range(schedule.n_microbatches):
+            label = f"stage {stage}, micro-batch {mb}"
+            count = {kind: len(where.get(Action(stage, kind, mb), [])) for kind in Kind}
+            for kind in Kind:
+                if count[kind] > 1:
+                    repeated = Action(stage, kind, mb)
+                    raise ScheduleError(f"{label} has {count[kind]} {kind.value} actions ({at(repeated)})")
+            if count[Kind.F] == 0:
+                raise ScheduleError(f"{label} has no forward: add {Action(stage, Kind.F, mb)}")
+            if count[Kind.B] and count[Kind.I]:
+                raise ScheduleError(f"{label} has both a full backward B and a split one I; keep one")
+            if count[Kind.B] and count[Kind.W]:
+                raise ScheduleError(f"{label} has a W after a full backward B, which already computed it")
+            if count[Kind.I] and not count[Kind.W]:
+                raise ScheduleError(
+                    f"{label} has {Action(stage, Kind.I, mb)} but no W: its weight gradient is never computed"
+                )
+            if count[Kind.W] and not count[Kind.I]:
+                raise ScheduleError(f"{Action(stage, Kind.W, mb)} ({at(Action(stage, Kind.W, mb))}) has no I to follow")
+            if not count[Kind.B] and not count[Kind.I]:
+                raise ScheduleError(f"{label} has no backward (B, or I then W)")
+
+
+def _check_rank_order(schedule: Schedule, where: dict[Action, list[tuple[int, int]]]) -> None:
+    backward = backward_kinds(schedule)
+    for rank, actions in enumerate(schedule.ranks):
+        for i, action in enumerate(actions):
+            for need in inputs(action, schedule.n_stages, backward):
+                r, j = where[need][0]
+                if r == rank and j > i:
+                    raise ScheduleError(
+                        f"rank {rank}, action {i} ({action}) runs before {need} (action {j}), which it needs: "
+                        f"{_WHY[(action.kind, need.kind)]}"
+                    )
+
+
+def _check_message_order(schedule: Schedule) -> int:
+    """Messages between two ranks must be received in the order they are sent (NCCL matches them so)."""
+    sent: dict[tuple[int, int], list[str]] = defaultdict(list)
+    received: dict[tuple[int, int], list[str]] = defaultdict(list)
+    last = schedule.n_stages - 1
+    for rank, actions in enumerate(schedule.ranks):
+        for a in actions:
+            s, mb = a.stage, a.microbatch
+            if a.kind is Kind.F:
+                if s > 0 and schedule.rank_of(s - 1) != rank:
+                    received[(schedule.rank_of(s - 1), rank)].append(f"activation {s - 1}->{s} of micro-batch {mb}")
+                if s < last and schedule.rank_of(s + 1) != rank:
+                    sent[(rank, schedule.rank_of(s + 1))].append(f"activation {s}->{s + 1} of micro-batch {mb}")
+            elif a.kind.is_backward:
+                if s < last and schedule.rank_of(s + 1) != rank:
+                    received[(schedule.rank_of(s + 1), rank)].append(f"gradient {s + 1}->{s} of micro-batch {mb}")
+                if s > 0 and schedule.rank_of(s - 1) != rank:
+                    sent[(rank, schedule.rank_of(s - 1))].append(f"gradient {s}->{s - 1} of micro-batch {mb}")
+    for pair, order in sent.items():
+        got = received.get(pair, [])
+        for n, (out, into) in enumerate(zip(order, got, strict=False)):
+            if out != into:
+                raise ScheduleError(
+                    f"rank {pair[1]} receives from rank {pair[0]} out of order: message {n} sent is the {out}, "
+                    f"but rank {pair[1]} expects the {into}; messages between two ranks arrive in the order sent"
+                )
+    return sum(len(order) for order in sent.values())
+
+
+def validate(schedule: Schedule) -> ScheduleReport:
+    """Check that ``schedule`` can run, and report its peak micro-batches in flight per stage.
+
+    Checks, in order, each failure a :class:`ScheduleError` naming the rank,
+    the action and the broken rule:
+
+    1. every (stage, micro-batch) has exactly one F and one backward: B, or I then W;
+    2. on each rank, an action comes after the actions of that rank it needs
+       (F after the previous stage's F, B or I after its own F and the next
+       stage's backward, W after its I);
+    3. the ranks, each running its actions in order and waiting for the inputs
+       it receives (sends do not wait), never wait on each other in a cycle;
+    4. messages between two ranks are received in the order they are sent.
+    """
+    where = _where(schedule)
+    _check_each_once(schedule, where)
+    _check_rank_order(schedule, where)
+    execute(schedule, lambda _: 1.0, lambda _a, _b: 0.0)
+    messages = _check_message_order(schedule)
+    return ScheduleReport(peak_in_flight=peak_in_flight(schedule), messages=messages)
+
+
+def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage: the most micro-batches forwarded whose backward (B or I) has not run yet."""
+    current = [0] * schedule.n_stages
+    peak = [0] * schedule.n_stages
+    for actions in schedule.ranks:
+        for a in actions:
+            if a.kind is Kind.F:
+                current[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], current[a.stage])
+            elif a.kind.is_backward:
+                current[a.stage] -= 1
+    return tuple(peak)
