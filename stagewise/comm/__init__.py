@@ -1,3 +1,29 @@
-"""Process groups, device mesh and point-to-point transfer between stages; no public names yet."""
+"""Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
 
-__all__: list[str] = []
+from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError
+from stagewise.comm.launch import LaunchError, RankFailure, free_port, launch, launch_module
+from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
+from stagewise.comm.meta import TensorMeta
+from stagewise.comm.p2p import Payload, Pending, Transport, as_tensors
+
+__all__ = [
+    "Backend",
+    "CommError",
+    "CommTimeoutError",
+    "Coords",
+    "LaunchError",
+    "Layout",
+    "Payload",
+    "PeerGoneError",
+    "Pending",
+    "PipelineMesh",
+    "RankFailure",
+    "TensorMeta",
+    "Transport",
+    "as_tensors",
+    "choose_backend",
+    "free_port",
+    "init_mesh",
+    "launch",
+    "launch_module",
+]

@@ -1,0 +1,113 @@
+"""Round trips of activation-sized tensors between 2 gloo processes: stagewise's Transport vs raw send/recv.
+
+For each size, rank 0 sends a float32 tensor to rank 1, which sends it back;
+the round trip of stagewise.comm.Transport (metadata, batched non-blocking
+ops, reused receive buffers) is compared with dist.send/dist.recv of the same
+tensors into preallocated buffers. The two are timed in alternating blocks in
+the same processes; ``ratio`` is the median over blocks of ours / raw of
+adjacent blocks, which cancels most of the drift of a shared machine. One
+JSON line per size:
+
+    python benchmarks/p2p_bench.py [--repeats 30] [--sizes-kib 64,256,1024,4096,16384,65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from stagewise.comm import Transport, init_mesh, launch
+
+
+def _raw_round_trip(t: torch.Tensor, buf: torch.Tensor, rank: int) -> None:
+    if rank == 0:
+        dist.send(t, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def _ours_round_trip(transport: Transport, t: torch.Tensor, rank: int) -> None:
+    if rank == 0:
+        transport.send(t, 1, what="activation")
+        back = transport.recv(1, what="gradient")
+        transport.release(back)
+    else:
+        got = transport.recv(0, what="activation")
+        transport.send(got, 0, what="gradient")
+        transport.wait_sends()
+        transport.release(got)
+    transport.wait_sends()
+
+
+def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, float]]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=120)
+    rank = mesh.rank
+    transport = Transport(timeout=120)
+    rows = []
+    for kib in sizes_kib:
+        t = torch.randn(kib * 1024 // 4)
+        buf = torch.empty_like(t)
+        raw: list[float] = []
+        ours: list[float] = []
+        ratios: list[float] = []
+        for _ in range(3):  # warm-up both paths
+            _raw_round_trip(t, buf, rank)
+            _ours_round_trip(transport, t, rank)
+        for _ in range(repeats):
+            for fn, out in (
+                (lambda: _raw_round_trip(t, buf, rank), raw),
+                (lambda: _ours_round_trip(transport, t, rank), ours),
+            ):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(block):
+                    fn()
+                out.append((time.perf_counter() - start) / block)
+            ratios.append(ours[-1] / raw[-1])
+        rows.append(
+            {
+                "bytes": kib * 1024,
+                "raw_ms": statistics.median(raw) * 1e3,
+                "stagewise_ms": statistics.median(ours) * 1e3,
+                "paired_ratio": statistics.median(ratios),
+            }
+        )
+    dist.destroy_process_group()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=60)
+    parser.add_argument("--block", type=int, default=10, help="round trips per timed block")
+    parser.add_argument("--sizes-kib", default="64,256,1024,4096,16384,65536")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes_kib.split(",")]
+    rows = launch(worker, 2, sizes, args.repeats, args.block)[0]
+    for row in rows:
+        ratio = row["paired_ratio"]
+        print(
+            json.dumps(
+                {
+                    "bench": "p2p_round_trip",
+                    "bytes": row["bytes"],
+                    "raw_ms": round(row["raw_ms"], 4),
+                    "stagewise_ms": round(row["stagewise_ms"], 4),
+                    "ratio": round(ratio, 3),
+                    "overhead_pct": round(100 * (ratio - 1), 1),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

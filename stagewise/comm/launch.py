@@ -1,0 +1,232 @@
+"""Run a function or a module on local processes through torchrun's elastic agent."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+T = TypeVar("T")
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How one rank of a launched job failed."""
+
+    rank: int
+    """Global rank."""
+    exitcode: int
+    """Its exit code; negative for a signal."""
+    message: str
+    """The exception (``ValueError: ...``) or the signal it died of."""
+    traceback: str
+    """The rank's Python traceback, or the end of its stderr, when there is one."""
+
+
+class LaunchError(RuntimeError):
+    """A launched job failed; ``failures`` lists every failed rank, the first to fail first."""
+
+    def __init__(self, failures: Sequence[RankFailure]) -> None:
+        self.failures = tuple(failures)
+        first = self.failures[0]
+        lines = [f"rank {first.rank} failed (exit code {first.exitcode}): {first.message}"]
+        if first.traceback:
+            lines.append(first.traceback.rstrip())
+        for other in self.failures[1:]:
+            lines.append(f"rank {other.rank} also failed (exit code {other.exitcode}): {other.message}")
+        super().__init__("\n".join(lines))
+
+    def __reduce__(self) -> tuple[type[LaunchError], tuple[tuple[RankFailure, ...]]]:
+        return (LaunchError, (self.failures,))
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the children spawned inside, then restore ours."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def _stderr_tail(log_dir: Path, local_rank: int, lines: int = 30) -> str:
+    logs = sorted(log_dir.glob(f"**/attempt_*/{local_rank}/stderr.log"))
+    if not logs:
+        return ""
+    text = logs[-1].read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def _failures(err: ChildFailedError, log_dir: Path) -> list[RankFailure]:
+    found = []
+    for rank, failure in sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
+        message: Any = failure.message
+        if isinstance(message, dict):
+            text = str(message.get("message", ""))
+            trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        else:
+            text, trace = str(message), ""
+        if not trace:
+            trace = _stderr_tail(log_dir, failure.local_rank)
+        found.append(RankFailure(rank, failure.exitcode, text, trace))
+    return found
+
+
+def launch(
+    fn: Callable[..., T],
+    nprocs: int,
+    *args: Any,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    is_host: bool | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    device: Literal["cpu", "auto"] = "cpu",
+    threads: int | None = 1,
+    env: Mapping[str, str] | None = None,
+) -> dict[int, T]:
+    """Run ``fn(*args)`` on ``nprocs`` local processes and return each global rank's result.
+
+    The processes are started and watched by torchrun's elastic agent, which
+    sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (read by
+    :func:`stagewise.comm.init_mesh`) and rendezvouses over c10d. By default
+    the rendezvous listens on 127.0.0.1 on a free port; for several nodes,
+    give every node the same ``rdzv_endpoint`` and ``nnodes``, and
+    ``is_host=True`` on the node that should host the rendezvous store.
+    ``device="cpu"`` hides GPUs from the processes so they use gloo;
+    ``threads`` sets their OMP_NUM_THREADS. ``fn`` must be importable by the
+    spawned processes (defined at the top level of a module).
+
+    When a rank fails, the agent stops the others and this raises
+    :class:`LaunchError` with the failing rank's traceback; with
+    ``max_restarts`` the agent first restarts the whole group that many times.
+    """
+    return _run(
+        fn,
+        args,
+        nprocs=nprocs,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        is_host=is_host,
+        run_id=run_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        device=device,
+        threads=threads,
+        env=env,
+    )
+
+
+def launch_module(
+    module: str,
+    argv: Sequence[str],
+    nprocs: int,
+    *,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    is_host: bool | None = None,
+    run_id: str | None = None,
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    device: Literal["cpu", "auto"] = "cpu",
+    threads: int | None = 1,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Run ``python -m module *argv`` on ``nprocs`` local processes, as :func:`launch` runs a function."""
+    _run(
+        sys.executable,
+        ("-u", "-m", module, *argv),
+        nprocs=nprocs,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
+        is_host=is_host,
+        run_id=run_id,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        device=device,
+        threads=threads,
+        env=env,
+    )
+
+
+def _run(
+    entrypoint: Callable[..., Any] | str,
+    args: Sequence[Any],
+    *,
+    nprocs: int,
+    nnodes: int,
+    rdzv_endpoint: str | None,
+    is_host: bool | None,
+    run_id: str | None,
+    max_restarts: int,
+    monitor_interval: float,
+    device: str,
+    threads: int | None,
+    env: Mapping[str, str] | None,
+) -> dict[int, Any]:
+    for name, value, least in (("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if device not in ("cpu", "auto"):
+        raise ValueError(f"device must be 'cpu' or 'auto', got {device!r}")
+    if nnodes > 1 and rdzv_endpoint is None:
+        raise ValueError(
+            f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
+            "(the host of the node with is_host=True)"
+        )
+    endpoint = rdzv_endpoint or f"{LOOPBACK}:{free_port()}"
+    host = endpoint.rsplit(":", 1)[0]
+    rdzv_configs: dict[str, Any] = {} if is_host is None else {"is_host": is_host}
+    children: dict[str, str] = dict(env or {})
+    if device == "cpu":
+        children["CUDA_VISIBLE_DEVICES"] = ""
+    if threads is not None:
+        children["OMP_NUM_THREADS"] = str(threads)
+    with tempfile.TemporaryDirectory(prefix="stagewise-launch-") as logs:
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nprocs,
+            run_id=run_id or (f"stagewise-{endpoint}" if nnodes > 1 else f"stagewise-{uuid.uuid4().hex[:12]}"),
+            rdzv_backend="c10d",
+            rdzv_endpoint=endpoint,
+            rdzv_configs=rdzv_configs,
+            max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
+            start_method="spawn",
+            local_addr=host if host in (LOOPBACK, "localhost") else None,
+            logs_specs=DefaultLogsSpecs(log_dir=logs, tee=Std.ALL),
+        )
+        try:
+            with _environment(children):
+                result = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as err:
+            raise LaunchError(_failures(err, Path(logs))) from None
+    return dict(result or {})

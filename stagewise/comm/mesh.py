@@ -1,0 +1,208 @@
+"""init_mesh(): the process group and a ("pp", "dp") DeviceMesh, with each rank's stage and replica."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["gloo", "nccl"]
+"""The process-group backends stagewise uses: gloo on CPU, NCCL on GPU."""
+
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Coords:
+    """Where a rank sits: which pipeline stage it runs and which data-parallel replica it belongs to."""
+
+    stage: int
+    replica: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The ``pp x dp`` grid of ranks, pipeline outermost: ``rank = stage * dp + replica``."""
+
+    pp: int
+    """Pipeline stages (the depth of each pipeline)."""
+    dp: int
+    """Data-parallel replicas of each stage."""
+
+    def __post_init__(self) -> None:
+        for name, value in (("pp", self.pp), ("dp", self.dp)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def coords(self, rank: int) -> Coords:
+        """The stage and replica of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a pp={self.pp} x dp={self.dp} mesh of {self.world_size}")
+        return Coords(stage=rank // self.dp, replica=rank % self.dp)
+
+    def rank(self, stage: int, replica: int) -> int:
+        """The global rank running ``stage`` in ``replica``."""
+        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
+            raise ValueError(f"(stage {stage}, replica {replica}) is outside a pp={self.pp} x dp={self.dp} mesh")
+        return stage * self.dp + replica
+
+    def next_rank(self, rank: int) -> int | None:
+        """The rank of the next stage in the same replica, or None on the last stage."""
+        c = self.coords(rank)
+        return self.rank(c.stage + 1, c.replica) if c.stage + 1 < self.pp else None
+
+    def prev_rank(self, rank: int) -> int | None:
+        """The rank of the previous stage in the same replica, or None on the first stage."""
+        c = self.coords(rank)
+        return self.rank(c.stage - 1, c.replica) if c.stage > 0 else None
+
+    def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
+        """The ranks of one pipeline, stage 0 first."""
+        return tuple(self.rank(s, replica) for s in range(self.pp))
+
+    def replica_ranks(self, stage: int) -> tuple[int, ...]:
+        """The ranks holding copies of one stage: its data-parallel group."""
+        return tuple(self.rank(stage, r) for r in range(self.dp))
+
+
+@dataclass(frozen=True)
+class PipelineMesh:
+    """This process's place in the job: the DeviceMesh, the layout, its device and backend."""
+
+    device_mesh: DeviceMesh
+    """Dimensions ("pp", "dp"), pipeline outermost."""
+    layout: Layout
+    rank: int
+    """This process's global rank."""
+    device: torch.device
+    """Where this rank computes: ``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo."""
+    backend: Backend
+    timeout: timedelta
+    """The bound on every collective and point-to-point wait."""
+
+    @property
+    def coords(self) -> Coords:
+        return self.layout.coords(self.rank)
+
+    @property
+    def stage(self) -> int:
+        return self.coords.stage
+
+    @property
+    def replica(self) -> int:
+        return self.coords.replica
+
+    @property
+    def prev_rank(self) -> int | None:
+        return self.layout.prev_rank(self.rank)
+
+    @property
+    def next_rank(self) -> int | None:
+        return self.layout.next_rank(self.rank)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """This rank's pipeline: the ranks of its replica, one per stage."""
+        return self.device_mesh.get_group("pp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """This rank's data-parallel group: the replicas of its stage."""
+        return self.device_mesh.get_group("dp")
+
+    def describe(self) -> str:
+        """One line: backend, devices found, layout, and this rank's place."""
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return (
+            f"backend {self.backend}, {gpus} CUDA device(s) found, pp={self.layout.pp} x dp={self.layout.dp} "
+            f"on {self.layout.world_size} processes; rank {self.rank} is stage {self.stage}, "
+            f"replica {self.replica}, on {self.device}"
+        )
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+
+
+def choose_backend(local_world_size: int) -> Backend:
+    """NCCL when CUDA has a GPU for every local rank, gloo otherwise."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
+        return "nccl"
+    return "gloo"
+
+
+def init_mesh(
+    pp: int,
+    dp: int = 1,
+    *,
+    backend: Backend | None = None,
+    timeout: float | timedelta = 300.0,
+) -> PipelineMesh:
+    """Join the job started by torchrun (or :func:`stagewise.comm.launch`) and build its mesh.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT; initialises the default process group unless it already is;
+    picks NCCL when CUDA has a GPU for each local rank (and makes
+    ``cuda:LOCAL_RANK`` this process's device), gloo otherwise; and returns
+    the ("pp", "dp") DeviceMesh, pipeline outermost as in torchtitan, so rank
+    ``r`` runs stage ``r // dp`` of replica ``r % dp``.
+
+    Raises:
+        ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
+    """
+    layout = Layout(pp, dp)
+    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if wait.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {wait.total_seconds()} s")
+    if dist.is_initialized():
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:
+        missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+        if missing:
+            raise ValueError(
+                f"init_mesh needs the torchrun environment, but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; start the processes with torchrun "
+                "or stagewise.comm.launch"
+            )
+        world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    if layout.world_size != world:
+        raise ValueError(
+            f"pp={pp} x dp={dp} = {layout.world_size} processes, but the world size is {world}; "
+            f"choose pp and dp whose product is {world}, or launch {layout.world_size} processes"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    chosen: Backend
+    if dist.is_initialized():
+        chosen = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    else:
+        chosen = backend or choose_backend(local_world)
+    if backend is not None and backend != chosen:
+        raise ValueError(f"the process group already uses {chosen}, not the requested {backend}")
+    device = torch.device("cuda", local_rank) if chosen == "nccl" else torch.device("cpu")
+    if chosen == "nccl":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(chosen, timeout=wait, device_id=device if chosen == "nccl" else None)
+    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    result = PipelineMesh(mesh, layout, rank, device, chosen, wait)
+    log.info("%s", result.describe())
+    return result

@@ -1,0 +1,260 @@
+"""Point-to-point transfer of activations and gradients, with metadata sent only when it changes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TypeAlias
+
+import torch
+import torch.distributed as dist
+
+from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError
+from stagewise.comm.meta import TensorMeta, decode, encode
+
+log = logging.getLogger(__name__)
+
+Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
+"""What travels between stages: a tensor or a tuple of tensors."""
+
+_POOL_DEPTH = 4  # buffers kept per (dtype, shape); more are left to the allocator
+
+
+def as_tensors(payload: object) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """The tensors of a payload and whether it was a tuple; anything else is a TypeError."""
+    if isinstance(payload, torch.Tensor):
+        return (payload,), False
+    if isinstance(payload, tuple) and payload and all(isinstance(t, torch.Tensor) for t in payload):
+        return payload, True
+    kinds = [type(v).__name__ for v in payload] if isinstance(payload, (tuple, list)) else type(payload).__name__
+    raise TypeError(
+        f"a payload between stages must be a tensor or a non-empty tuple of tensors, got {kinds}; "
+        "pass other values (ints, strings, None) to every stage some other way, or make them tensors"
+    )
+
+
+def _seconds(timeout: float | timedelta) -> timedelta:
+    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value.total_seconds()} s")
+    return value
+
+
+@dataclass
+class Pending:
+    """Sends in flight; :meth:`wait` bounds the wait by the transport's timeout."""
+
+    works: list[dist.Work]
+    rank: int
+    peer: int
+    what: str
+    timeout: timedelta
+    keep: list[torch.Tensor] = field(default_factory=list)
+    """The tensors being sent, kept alive until the sends complete."""
+
+    def wait(self) -> None:
+        for work in self.works:
+            _wait(work, rank=self.rank, peer=self.peer, what=self.what, timeout=self.timeout, sending=True)
+        self.works, self.keep = [], []
+
+
+def _wait(work: dist.Work, *, rank: int, peer: int, what: str, timeout: timedelta, sending: bool) -> None:
+    verb, direction = ("sending", "to") if sending else ("waiting for", "from")
+    try:
+        finished = work.wait(timeout)
+    except RuntimeError as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            raise CommTimeoutError(
+                f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer} "
+                f"({text}); the peer may have hung or be waiting on something else",
+                rank=rank,
+                peer=peer,
+                what=what,
+            ) from err
+        raise PeerGoneError(
+            f"rank {rank} lost rank {peer} while {verb} {what}: {text}", rank=rank, peer=peer, what=what
+        ) from err
+    if finished is False:
+        raise CommTimeoutError(
+            f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer}",
+            rank=rank,
+            peer=peer,
+            what=what,
+        )
+
+
+Layout: TypeAlias = tuple[bool, tuple[TensorMeta, ...]]
+"""Whether a payload is a tuple, and each tensor's metadata."""
+
+
+@dataclass
+class _Channel:
+    """What both ends of one (peer, stream) direction know after each message."""
+
+    layout: Layout | None = None
+    """The layout of the last message."""
+    stable: bool = False
+    """True when the last message had the same layout as the one before it."""
+
+
+class Transport:
+    """Sends and receives payloads between this rank and its pipeline neighbours.
+
+    Each message is a control word (0, or the length of new metadata), the
+    metadata when the payload's dtypes, shapes or requires-grad flags changed
+    since the last message on the same (peer, stream), then the tensors, all
+    posted as one batch of non-blocking operations in a fixed order. Nothing
+    is pickled. A receiver learns a payload's layout once and again only when
+    it changes, so variable sequence lengths work.
+
+    Under gloo, whose point-to-point tags keep control words and data apart,
+    a stream whose last two messages had the same layout turns speculative:
+    the receiver posts the data receive together with the control word, so a
+    steady stream adds no round trip before its data. When such a stream
+    changes layout, the sender also sends one stand-in of the old layout to
+    complete that receive, ahead of the new data.
+
+    Received tensors that required grad on the sender require grad here; integer
+    and boolean tensors never do. ``release`` hands received tensors back for
+    reuse by later receives of the same dtype and shape.
+
+    Every wait is bounded by ``timeout``; a timeout raises :class:`CommTimeoutError`,
+    a dead peer :class:`PeerGoneError`, each naming this rank, the peer and what
+    was awaited. Messages between two ranks on one stream must be received in
+    the order they are sent.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str = "cpu",
+        timeout: float | timedelta = 300.0,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("Transport needs an initialised process group; call stagewise.comm.init_mesh first")
+        self.group = group
+        self.device = torch.device(device)
+        self.timeout = _seconds(timeout)
+        self.rank = dist.get_rank()
+        self.speculate = dist.get_backend(group) == "gloo"
+        self._coalesces = not self.speculate
+        self._sent: dict[tuple[int, int], _Channel] = {}
+        self._received: dict[tuple[int, int], _Channel] = {}
+        self._pool: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._in_flight: list[Pending] = []
+        self._unchanged = torch.zeros(1, dtype=torch.int64, device=self.device)  # read-only control word
+
+    def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
+        return [dist.P2POp(fn, t, peer, self.group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
+
+    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+        """Post ``ops`` in order: one coalesced batch where the backend batches (NCCL), else one by one."""
+        if not ops:
+            return []
+        if self._coalesces:
+            return dist.batch_isend_irecv(ops)
+        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]  # what batch_isend_irecv does for gloo
+
+    def send(self, payload: Payload, to: int, *, what: str, stream: int = 0) -> Pending:
+        """Post ``payload`` to rank ``to`` without waiting; returns the sends in flight.
+
+        Do not change the payload's tensors in place until the sends complete
+        (:meth:`Pending.wait` or :meth:`wait_sends`).
+        """
+        tensors, is_tuple = as_tensors(payload)
+        layout: Layout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
+        channel = self._sent.setdefault((to, stream), _Channel())
+        data = [t.detach().to(self.device).contiguous() for t in tensors]
+        if channel.layout == layout:
+            control = [self._unchanged]
+        else:
+            header = encode(layout[1], is_tuple=is_tuple).to(self.device)
+            control = [torch.tensor([header.numel()], dtype=torch.int64, device=self.device), header]
+        if self.speculate and channel.stable and channel.layout != layout:
+            # The receiver has posted a receive of the old layout: complete it with a stand-in first.
+            assert channel.layout is not None
+            data = [m.empty(self.device).zero_() for m in channel.layout[1]] + data
+        ops = self._ops(dist.isend, control, to, 2 * stream) + self._ops(dist.isend, data, to, 2 * stream + 1)
+        channel.stable = channel.layout == layout
+        channel.layout = layout
+        pending = Pending(self._post(ops), self.rank, to, what, self.timeout, control + data)
+        self._in_flight.append(pending)
+        return pending
+
+    def wait_sends(self) -> None:
+        """Wait for every send posted so far (bounded by the timeout each)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for pending in in_flight:
+            pending.wait()
+
+    def recv(self, src: int, *, what: str, stream: int = 0) -> Payload:
+        """Receive the next payload from rank ``src`` on ``stream``; blocks up to the timeout per wait."""
+        channel = self._received.setdefault((src, stream), _Channel())
+        control = torch.empty(1, dtype=torch.int64, device=self.device)
+        buffers: list[torch.Tensor] = []
+        if self.speculate and channel.stable:
+            assert channel.layout is not None
+            buffers = [self._take(m) for m in channel.layout[1]]
+            control_ops = self._ops(dist.irecv, [control], src, 2 * stream)
+            works = self._post(control_ops + self._ops(dist.irecv, buffers, src, 2 * stream + 1))
+            self._wait_all(works[:1], src, f"{what} (control word)")
+            data_works = works[1:]
+        else:
+            self._receive([control], src, 2 * stream, f"{what} (control word)")
+            data_works = []
+        words = int(control.item())
+        self._wait_all(data_works, src, what)  # the data, or the stand-in for the old layout
+        if words:
+            if buffers:
+                self.release(tuple(buffers))  # the sender's stand-in for the old layout
+                buffers = []
+            header = torch.empty(words, dtype=torch.int64, device=self.device)
+            self._receive([header], src, 2 * stream, f"{what} (metadata)")
+            layout = decode(header.cpu())
+        elif channel.layout is None:
+            raise CommError(
+                f"rank {self.rank} got a payload from rank {src} without metadata on stream {stream}; "
+                "both sides must exchange messages in the same order",
+                rank=self.rank,
+                peer=src,
+                what=what,
+            )
+        else:
+            layout = channel.layout
+        if not buffers:
+            buffers = [self._take(m) for m in layout[1]]
+            self._receive(buffers, src, 2 * stream + 1, what)
+        channel.stable = not words
+        channel.layout = layout
+        for b, m in zip(buffers, layout[1], strict=True):
+            b.requires_grad_(m.requires_grad)
+        return tuple(buffers) if layout[0] else buffers[0]
+
+    def _receive(self, tensors: Sequence[torch.Tensor], src: int, tag: int, what: str) -> None:
+        self._wait_all(self._post(self._ops(dist.irecv, tensors, src, tag)), src, what)
+
+    def _wait_all(self, works: Sequence[dist.Work], src: int, what: str) -> None:
+        for work in works:
+            _wait(work, rank=self.rank, peer=src, what=what, timeout=self.timeout, sending=False)
+
+    def _take(self, meta: TensorMeta) -> torch.Tensor:
+        stack = self._pool.get((meta.dtype, meta.shape))
+        if stack:
+            return stack.pop()
+        return meta.empty(self.device)
+
+    def release(self, payload: Payload) -> None:
+        """Hand received tensors back for reuse; only pass tensors nothing refers to any more."""
+        tensors, _ = as_tensors(payload)
+        for t in tensors:
+            if t.device != self.device or t.grad_fn is not None:
+                continue
+            stack = self._pool.setdefault((t.dtype, tuple(t.shape)), [])
+            if len(stack) < _POOL_DEPTH:
+                t.requires_grad_(False)
+                t.grad = None
+                stack.append(t)

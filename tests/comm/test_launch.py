@@ -1,0 +1,74 @@
+"""The local launcher: results by rank, the failing rank's traceback, modules, and two local nodes."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import finish, run_ranks, start_ranks
+
+from stagewise.comm import LaunchError, free_port, launch
+
+
+def report_rank() -> tuple[int, int, str, str]:
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank()])
+    dist.all_reduce(total)
+    info = (dist.get_rank(), int(total), os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"])
+    dist.destroy_process_group()
+    return info
+
+
+def fail_on_rank_one() -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("rank one cannot go on")
+    dist.barrier()  # rank 0 waits here until the agent stops it
+
+
+def test_results_come_back_by_rank() -> None:
+    results = run_ranks(report_rank, 3)
+    assert results == {0: (0, 3, "", "1"), 1: (1, 3, "", "1"), 2: (2, 3, "", "1")}
+
+
+def test_a_failing_rank_surfaces_its_traceback() -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(fail_on_rank_one, 2)
+    first = info.value.failures[0]
+    assert first.rank == 1 and first.exitcode != 0
+    assert first.message == "ValueError: rank one cannot go on"
+    assert "in fail_on_rank_one" in first.traceback and 'raise ValueError("rank one cannot go on")' in first.traceback
+    assert str(info.value).startswith("rank 1 failed (exit code 1): ValueError: rank one cannot go on")
+
+
+def test_launch_module_reports_the_failing_rank(tmp_path: Path) -> None:
+    from stagewise.comm import launch_module
+
+    with pytest.raises(LaunchError) as info:
+        launch_module("stagewise", ["partition", "--stages", "0"], 2)
+    assert "--stages: expected a number >= 1, got 0" in info.value.failures[0].traceback
+
+
+def test_bad_launch_arguments() -> None:
+    with pytest.raises(ValueError, match=r"nprocs must be an int >= 1, got 0"):
+        launch(report_rank, 0)
+    with pytest.raises(ValueError, match=r"nnodes=2 needs rdzv_endpoint='HOST:PORT'"):
+        launch(report_rank, 1, nnodes=2)
+    with pytest.raises(ValueError, match=r"device must be 'cpu' or 'auto'"):
+        launch(report_rank, 1, device="tpu")  # type: ignore[arg-type]
+
+
+def test_two_local_nodes_form_one_job() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        host = start_ranks(report_rank, 2, workdir=Path(a), nnodes=2, rdzv_endpoint=endpoint, is_host=True)
+        other = start_ranks(report_rank, 2, workdir=Path(b), nnodes=2, rdzv_endpoint=endpoint, is_host=False)
+        first, second = finish(host, Path(a), 120), finish(other, Path(b), 120)
+    ranks = sorted([*first, *second])
+    assert ranks == [0, 1, 2, 3]
+    # Every rank saw the same all-reduce over four processes: 0 + 1 + 2 + 3.
+    assert {v[1] for v in [*first.values(), *second.values()]} == {6}

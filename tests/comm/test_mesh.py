@@ -1,0 +1,92 @@
+"""init_mesh() and Layout: ranks map to (stage, replica) with the pipeline outermost."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from multiproc import run_ranks
+
+from stagewise.comm import Coords, LaunchError, Layout, init_mesh
+
+
+def test_layout_is_pipeline_outermost() -> None:
+    layout = Layout(pp=2, dp=3)
+    assert [layout.coords(r) for r in range(6)] == [
+        Coords(0, 0),
+        Coords(0, 1),
+        Coords(0, 2),
+        Coords(1, 0),
+        Coords(1, 1),
+        Coords(1, 2),
+    ]
+    assert layout.rank(1, 2) == 5
+    assert layout.next_rank(1) == 4 and layout.prev_rank(4) == 1
+    assert layout.next_rank(4) is None and layout.prev_rank(2) is None
+    assert layout.pipeline_ranks(1) == (1, 4) and layout.replica_ranks(1) == (3, 4, 5)
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "pattern"),
+    [
+        ((0, 1), ValueError, r"pp must be >= 1, got 0"),
+        ((2, 0), ValueError, r"dp must be >= 1, got 0"),
+        ((2.0, 1), TypeError, r"pp must be an int, got float"),
+    ],
+)
+def test_bad_layout(args: tuple[object, object], error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        Layout(*args)  # type: ignore[arg-type]
+
+
+def test_layout_range_checks() -> None:
+    with pytest.raises(ValueError, match=r"rank 4 is outside a pp=2 x dp=2 mesh of 4"):
+        Layout(2, 2).coords(4)
+    with pytest.raises(ValueError, match=r"\(stage 2, replica 0\) is outside"):
+        Layout(2, 2).rank(2, 0)
+
+
+def test_init_mesh_outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(
+        ValueError, match=r"needs the torchrun environment, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not set"
+    ):
+        init_mesh(1)
+
+
+def mesh_of_rank(pp: int, dp: int) -> tuple[object, ...]:
+    mesh = init_mesh(pp, dp, timeout=30)
+    pp_ranks = dist.get_process_group_ranks(mesh.pp_group)
+    dp_ranks = dist.get_process_group_ranks(mesh.dp_group)
+    out = (
+        mesh.coords,
+        mesh.prev_rank,
+        mesh.next_rank,
+        pp_ranks,
+        dp_ranks,
+        mesh.backend,
+        str(mesh.device),
+        mesh.describe(),
+    )
+    dist.destroy_process_group()
+    return out
+
+
+def test_two_by_two_mesh() -> None:
+    results = run_ranks(mesh_of_rank, 4, 2, 2)
+    expected = {
+        0: (Coords(0, 0), None, 2, [0, 2], [0, 1]),
+        1: (Coords(0, 1), None, 3, [1, 3], [0, 1]),
+        2: (Coords(1, 0), 0, None, [0, 2], [2, 3]),
+        3: (Coords(1, 1), 1, None, [1, 3], [2, 3]),
+    }
+    for rank, value in results.items():
+        assert value[:5] == expected[rank]
+        assert value[5] == "gloo" and value[6] == "cpu"
+        assert f"pp=2 x dp=2 on 4 processes; rank {rank} is stage {rank // 2}, replica {rank % 2}" in str(value[7])
+
+
+def test_wrong_world_size_is_refused() -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(mesh_of_rank, 3, 2, 2)
+    assert "pp=2 x dp=2 = 4 processes, but the world size is 3" in info.value.failures[0].message

@@ -1,0 +1,208 @@
+"""Point-to-point transfer between two gloo processes: exact round trips, changing shapes, no hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multiproc import run_ranks
+
+from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, TensorMeta, Transport, as_tensors, init_mesh
+from stagewise.comm.meta import DTYPES, decode, encode
+
+DTYPE_CHOICES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    dtype = draw(st.sampled_from(DTYPE_CHOICES))
+    shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=4)))
+    n = 1
+    for d in shape:
+        n *= d
+    # Arbitrary bytes: every bit pattern, NaNs and infinities included, must arrive as sent.
+    raw = draw(st.binary(min_size=n * torch.empty((), dtype=dtype).element_size(), max_size=n * 8))
+    size = n * torch.empty((), dtype=dtype).element_size()
+    data = torch.frombuffer(bytearray(raw[:size]) or bytearray(1), dtype=torch.uint8)[:size]
+    if dtype is torch.bool:
+        data = data % 2
+    tensor = data.view(dtype).reshape(shape).clone()
+    if tensor.is_floating_point() and draw(st.booleans()):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+payloads = st.one_of(tensors(), st.lists(tensors(), min_size=1, max_size=4).map(tuple))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def echo(messages: list[object]) -> list[tuple[object, list[bool]]]:
+    """Rank 0 sends every message to rank 1, which receives them in order."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30)
+    received = []
+    for i, message in enumerate(messages):
+        if dist.get_rank() == 0:
+            transport.send(message, 1, what=f"message {i}")  # type: ignore[arg-type]
+        else:
+            got = transport.recv(0, what=f"message {i}")
+            tensors_, _ = as_tensors(got)
+            received.append((got, [t.requires_grad for t in tensors_]))
+    transport.wait_sends()
+    dist.barrier()
+    dist.destroy_process_group()
+    return received
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(payloads, min_size=8, max_size=16))
+def test_round_trips_are_bit_identical(messages: list[object]) -> None:
+    received = run_ranks(echo, 2, messages)[1]
+    assert len(received) == len(messages)
+    for sent, (got, grads) in zip(messages, received, strict=True):
+        sent_tensors, sent_tuple = as_tensors(sent)
+        got_tensors, got_tuple = as_tensors(got)
+        assert sent_tuple == got_tuple
+        assert all(same_bits(a, b) for a, b in zip(sent_tensors, got_tensors, strict=True))
+        # Gradients travel only where they can: floating tensors that required grad.
+        assert grads == [t.requires_grad for t in sent_tensors]
+        assert not any(g for t, g in zip(got_tensors, grads, strict=True) if not t.is_floating_point())
+
+
+def test_changing_shapes_and_integer_tensors() -> None:
+    ids = torch.arange(12).reshape(2, 6)
+    hidden = torch.randn(2, 6, 8, requires_grad=True)
+    messages: list[object] = [
+        (hidden, ids, ids > 3),
+        (hidden, ids, ids > 3),  # same layout: no metadata resent
+        (torch.randn(2, 9, 8, requires_grad=True), torch.arange(18).reshape(2, 9), torch.ones(2, 9, dtype=torch.bool)),
+        torch.randn(3),
+    ]
+    received = run_ranks(echo, 2, messages)[1]
+    for sent, (got, _) in zip(messages, received, strict=True):
+        for a, b in zip(as_tensors(sent)[0], as_tensors(got)[0], strict=True):
+            assert same_bits(a, b)
+    assert received[2][1] == [True, False, False]
+
+
+def test_steady_streams_that_change_layout() -> None:
+    # Runs of equal layouts make the stream speculative; each change after a run needs a stand-in message.
+    a, b, c = torch.randn(4, 3), torch.randn(2, 5, requires_grad=True), (torch.arange(3), torch.randn(3))
+    messages: list[object] = [a, a * 2, a * 3, b, b * 2, b * 3, a, c, c, c, b]
+    received = run_ranks(echo, 2, messages)[1]
+    for sent, (got, _) in zip(messages, received, strict=True):
+        for x, y in zip(as_tensors(sent)[0], as_tensors(got)[0], strict=True):
+            assert same_bits(x, y)
+
+
+def reuse_buffers() -> tuple[bool, bool, bool]:
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30)
+    if dist.get_rank() == 0:
+        for value in (1.0, 2.0, 3.0):
+            transport.send(torch.full((4, 4), value), 1, what="x").wait()
+        transport.send(torch.full((5,), 4.0), 1, what="x").wait()
+        dist.barrier()
+        dist.destroy_process_group()
+        return (True, True, True)
+    first = transport.recv(0, what="x")
+    assert isinstance(first, torch.Tensor)
+    ptr, ok_first = first.data_ptr(), bool((first == 1).all())
+    transport.release(first)
+    del first
+    second = transport.recv(0, what="x")
+    assert isinstance(second, torch.Tensor)
+    reused = second.data_ptr() == ptr and bool((second == 2).all())
+    # Not released: the next receive must not overwrite it.
+    third = transport.recv(0, what="x")
+    assert isinstance(third, torch.Tensor)
+    kept = bool((second == 2).all()) and bool((third == 3).all()) and third.data_ptr() != second.data_ptr()
+    other = transport.recv(0, what="x")
+    dist.barrier()
+    dist.destroy_process_group()
+    return (ok_first and reused, kept, bool((other == 4).all()))
+
+
+def test_receive_buffers_are_reused_only_when_released() -> None:
+    assert run_ranks(reuse_buffers, 2)[1] == (True, True, True)
+
+
+def never_sent(timeout: float) -> str:
+    init_mesh(2, timeout=60)
+    transport = Transport(timeout=timeout)
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        try:
+            transport.recv(1, what="the activation of micro-batch 3")
+        except CommTimeoutError as err:
+            assert (err.rank, err.peer) == (0, 1)
+            return f"{time.perf_counter() - start:.1f}|{err}"
+        return "no error"
+    time.sleep(timeout + 3)  # alive, but never sends
+    return "slept"
+
+
+def test_a_receive_that_never_comes_times_out_and_says_what() -> None:
+    elapsed, message = run_ranks(never_sent, 2, 2.0, timeout=60)[0].split("|", 1)
+    assert 1.5 <= float(elapsed) < 10
+    assert message.startswith(
+        "rank 0 timed out after 2 s waiting for the activation of micro-batch 3 (control word) from rank 1"
+    )
+
+
+def peer_dies() -> None:
+    init_mesh(2, timeout=60)
+    transport = Transport(timeout=20)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.perf_counter()
+    try:
+        transport.recv(1, what="the gradient of micro-batch 0")
+    except PeerGoneError as err:
+        raise PeerGoneError(
+            f"{err} [after {time.perf_counter() - start:.1f} s]", rank=0, peer=1, what=err.what
+        ) from err
+
+
+def test_a_killed_peer_makes_the_survivor_fail_not_hang() -> None:
+    # The agent checks its workers only every 5 s here, so the survivor's own error comes first.
+    with pytest.raises(LaunchError) as info:
+        run_ranks(peer_dies, 2, monitor_interval=5.0, timeout=90)
+    by_rank = {f.rank: f for f in info.value.failures}
+    # The agent reports whichever it saw first; rank 1, if listed, died of SIGKILL.
+    assert 1 not in by_rank or by_rank[1].exitcode == -signal.SIGKILL
+    survivor = by_rank[0].message
+    assert survivor.startswith("PeerGoneError: rank 0 lost rank 1 while waiting for the gradient of micro-batch 0")
+    seconds = float(survivor.rsplit("[after ", 1)[1].split(" s]")[0])
+    assert seconds < 20
+
+
+def test_payloads_other_than_tensors_are_refused() -> None:
+    for bad, shown in [
+        (3, "int"),
+        ([torch.zeros(1)], "\\['Tensor'\\]"),
+        ((torch.zeros(1), None), "\\['Tensor', 'NoneType'\\]"),
+        ((), "\\[\\]"),
+    ]:
+        with pytest.raises(TypeError, match=rf"a tensor or a non-empty tuple of tensors, got {shown}"):
+            as_tensors(bad)
+
+
+def test_metadata_round_trip_and_unsupported_dtypes() -> None:
+    metas = tuple(TensorMeta.of(torch.zeros(2, 1, dtype=d)) for d in DTYPES)
+    assert decode(encode(metas, is_tuple=True)) == (True, metas)
+    with pytest.raises(TypeError, match=r"cannot send a tensor of dtype torch.uint16"):
+        TensorMeta.of(torch.zeros(1, dtype=torch.uint16))
