@@ -14,6 +14,7 @@ JSON line per size:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -63,8 +64,8 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
             _ours_round_trip(transport, t, rank)
         for _ in range(repeats):
             for fn, out in (
-                (lambda: _raw_round_trip(t, buf, rank), raw),
-                (lambda: _ours_round_trip(transport, t, rank), ours),
+                (functools.partial(_raw_round_trip, t, buf, rank), raw),
+                (functools.partial(_ours_round_trip, transport, t, rank), ours),
             ):
                 dist.barrier()
                 start = time.perf_counter()
