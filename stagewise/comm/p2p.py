@@ -146,6 +146,7 @@ class Transport:
         self._received: dict[tuple[int, int], _Channel] = {}
         self._pool: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
         self._in_flight: list[Pending] = []
+        self._receiving: set[tuple[int, int]] = set()
         self._unchanged = torch.zeros(1, dtype=torch.int64, device=self.device)  # read-only control word
 
     def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
@@ -193,46 +194,23 @@ class Transport:
 
     def recv(self, src: int, *, what: str, stream: int = 0) -> Payload:
         """Receive the next payload from rank ``src`` on ``stream``; blocks up to the timeout per wait."""
-        channel = self._received.setdefault((src, stream), _Channel())
-        control = torch.empty(1, dtype=torch.int64, device=self.device)
-        buffers: list[torch.Tensor] = []
-        if self.speculate and channel.stable:
-            assert channel.layout is not None
-            buffers = [self._take(m) for m in channel.layout[1]]
-            control_ops = self._ops(dist.irecv, [control], src, 2 * stream)
-            works = self._post(control_ops + self._ops(dist.irecv, buffers, src, 2 * stream + 1))
-            self._wait_all(works[:1], src, f"{what} (control word)")
-            data_works = works[1:]
-        else:
-            self._receive([control], src, 2 * stream, f"{what} (control word)")
-            data_works = []
-        words = int(control.item())
-        self._wait_all(data_works, src, what)  # the data, or the stand-in for the old layout
-        if words:
-            if buffers:
-                self.release(tuple(buffers))  # the sender's stand-in for the old layout
-                buffers = []
-            header = torch.empty(words, dtype=torch.int64, device=self.device)
-            self._receive([header], src, 2 * stream, f"{what} (metadata)")
-            layout = decode(header.cpu())
-        elif channel.layout is None:
-            raise CommError(
-                f"rank {self.rank} got a payload from rank {src} without metadata on stream {stream}; "
-                "both sides must exchange messages in the same order",
-                rank=self.rank,
-                peer=src,
-                what=what,
+        return self.irecv(src, what=what, stream=stream).wait()
+
+    def irecv(self, src: int, *, what: str, stream: int = 0) -> Receiving:
+        """Post the receive of the next payload from ``src`` now; :meth:`Receiving.wait` completes it.
+
+        At most one receive per (peer, stream) may be outstanding: the next
+        one's protocol depends on what this one brings.
+        """
+        key = (src, stream)
+        if key in self._receiving:
+            raise RuntimeError(
+                f"rank {self.rank} already has a receive from rank {src} on stream {stream} outstanding; "
+                "wait for it before posting the next"
             )
-        else:
-            layout = channel.layout
-        if not buffers:
-            buffers = [self._take(m) for m in layout[1]]
-            self._receive(buffers, src, 2 * stream + 1, what)
-        channel.stable = not words
-        channel.layout = layout
-        for b, m in zip(buffers, layout[1], strict=True):
-            b.requires_grad_(m.requires_grad)
-        return tuple(buffers) if layout[0] else buffers[0]
+        handle = Receiving(self, src, stream, what)
+        self._receiving.add(key)
+        return handle
 
     def _receive(self, tensors: Sequence[torch.Tensor], src: int, tag: int, what: str) -> None:
         self._wait_all(self._post(self._ops(dist.irecv, tensors, src, tag)), src, what)
@@ -258,3 +236,62 @@ class Transport:
                 t.requires_grad_(False)
                 t.grad = None
                 stack.append(t)
+
+
+class Receiving:
+    """A posted receive; :meth:`wait` returns the payload (see :meth:`Transport.irecv`)."""
+
+    def __init__(self, transport: Transport, src: int, stream: int, what: str) -> None:
+        self.transport, self.src, self.stream, self.what = transport, src, stream, what
+        t = transport
+        self.channel = t._received.setdefault((src, stream), _Channel())
+        self.control = torch.empty(1, dtype=torch.int64, device=t.device)
+        control_ops = t._ops(dist.irecv, [self.control], src, 2 * stream)
+        self.buffers: list[torch.Tensor] = []
+        if t.speculate and self.channel.stable:
+            assert self.channel.layout is not None
+            self.buffers = [t._take(m) for m in self.channel.layout[1]]
+            works = t._post(control_ops + t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
+        else:
+            works = t._post(control_ops)
+        self.control_work, self.data_works = works[0], works[1:]
+        self.result: Payload | None = None
+
+    def wait(self) -> Payload:
+        """The payload; blocks up to the transport's timeout per wait."""
+        if self.result is not None:
+            return self.result
+        t, src, stream, what, channel = self.transport, self.src, self.stream, self.what, self.channel
+        try:
+            t._wait_all([self.control_work], src, f"{what} (control word)")
+            words = int(self.control.item())
+            t._wait_all(self.data_works, src, what)  # the data, or the stand-in for the old layout
+            buffers = self.buffers
+            if words:
+                if buffers:
+                    t.release(tuple(buffers))  # the sender's stand-in for the old layout
+                    buffers = []
+                header = torch.empty(words, dtype=torch.int64, device=t.device)
+                t._receive([header], src, 2 * stream, f"{what} (metadata)")
+                layout = decode(header.cpu())
+            elif channel.layout is None:
+                raise CommError(
+                    f"rank {t.rank} got a payload from rank {src} without metadata on stream {stream}; "
+                    "both sides must exchange messages in the same order",
+                    rank=t.rank,
+                    peer=src,
+                    what=what,
+                )
+            else:
+                layout = channel.layout
+            if not buffers:
+                buffers = [t._take(m) for m in layout[1]]
+                t._receive(buffers, src, 2 * stream + 1, what)
+        finally:
+            t._receiving.discard((src, stream))
+        channel.stable = not words
+        channel.layout = layout
+        for b, m in zip(buffers, layout[1], strict=True):
+            b.requires_grad_(m.requires_grad)
+        self.result = tuple(buffers) if layout[0] else buffers[0]
+        return self.result

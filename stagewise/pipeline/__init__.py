@@ -1,24 +1,34 @@
-"""Pipeline schedules as validated data, a simulator that times them, and pictures of them."""
+"""Pipeline schedules as validated data, their simulator and pictures, and the Pipeline that runs them."""
 
 from stagewise.pipeline import schedules
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event, ScheduleError
+from stagewise.pipeline.executor import LossFn
+from stagewise.pipeline.microbatch import LossReduction
+from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.render import render, to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.simulate import SimulationResult, StageCosts, simulate
+from stagewise.pipeline.stage import materialise_model
+from stagewise.pipeline.trace import Span
 from stagewise.pipeline.validate import ScheduleReport, peak_in_flight, validate
 
 __all__ = [
     "Action",
     "Event",
     "Kind",
+    "LossFn",
+    "LossReduction",
+    "Pipeline",
     "Schedule",
     "ScheduleError",
     "ScheduleName",
     "ScheduleReport",
     "SimulationResult",
+    "Span",
     "StageCosts",
     "build",
+    "materialise_model",
     "peak_in_flight",
     "render",
     "schedules",

@@ -9,6 +9,7 @@ from typing import Any
 
 from stagewise.pipeline.actions import Kind
 from stagewise.pipeline.engine import Event
+from stagewise.pipeline.trace import Span
 
 COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.I: "#8CC084", Kind.W: "#DD8452"}
 """Box colour of each action kind."""
@@ -77,17 +78,21 @@ def render(timeline: Sequence[Event], path: str | Path, *, title: str | None = N
     return out
 
 
-def to_chrome_trace(timeline: Sequence[Event], path: str | Path, *, time_unit: float = 1e-6) -> Path:
-    """Write ``timeline`` as Chrome trace JSON (chrome://tracing, ui.perfetto.dev): one thread per rank.
+def to_chrome_trace(
+    timeline: Sequence[Event], path: str | Path, *, time_unit: float = 1e-6, spans: Sequence[Span] = ()
+) -> Path:
+    """Write ``timeline`` (and ``spans``, e.g. waits) as Chrome trace JSON: one thread per rank.
 
-    Event times are divided by ``time_unit`` to get the trace's microseconds;
-    the default treats them as seconds.
+    Open it in chrome://tracing or ui.perfetto.dev. Times are divided by
+    ``time_unit`` to get the trace's microseconds; the default treats them as
+    seconds. Simulated timelines and executed ones (``Pipeline(trace=...)``)
+    share this format.
     """
     if time_unit <= 0:
         raise ValueError(f"time_unit must be positive, got {time_unit}")
     events: list[dict[str, Any]] = [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-        for r in sorted({e.rank for e in timeline})
+        for r in sorted({e.rank for e in timeline} | {s.rank for s in spans})
     ]
     for e in timeline:
         events.append(
@@ -100,6 +105,18 @@ def to_chrome_trace(timeline: Sequence[Event], path: str | Path, *, time_unit: f
                 "ts": e.start / time_unit,
                 "dur": (e.end - e.start) / time_unit,
                 "args": {"stage": e.action.stage, "microbatch": e.action.microbatch, "kind": e.action.kind.value},
+            }
+        )
+    for span in spans:
+        events.append(
+            {
+                "name": span.name,
+                "cat": span.category,
+                "ph": "X",
+                "pid": 0,
+                "tid": span.rank,
+                "ts": span.start / time_unit,
+                "dur": (span.end - span.start) / time_unit,
             }
         )
     out = Path(path)

@@ -1,0 +1,304 @@
+"""Run one rank's actions of a schedule: forward, backward (or I then W), and the transfers between stages."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from stagewise.comm import Payload, Receiving, Transport, as_tensors
+from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.engine import Event
+from stagewise.pipeline.microbatch import Microbatches
+from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.trace import Span
+
+ACTIVATIONS, GRADIENTS = 0, 1
+"""Transport streams: activations flow forward on one, gradients backward on the other."""
+
+LossFn = Callable[[Payload, Payload], torch.Tensor]
+"""``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
+
+
+def grad_tensors(payload: object) -> list[torch.Tensor]:
+    """The tensors of a payload that carry gradients."""
+    if isinstance(payload, torch.Tensor):
+        return [payload] if payload.requires_grad else []
+    tensors, _ = as_tensors(payload)
+    return [t for t in tensors if t.requires_grad]
+
+
+def handed_over(payload: Payload) -> Payload:
+    """A copy-free hand-over between two stages on one rank: detached, requiring grad where the source did."""
+    tensors, is_tuple = as_tensors(payload)
+    out = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
+    return out if is_tuple else out[0]
+
+
+def _pack(grads: Sequence[torch.Tensor]) -> Payload:
+    return grads[0] if len(grads) == 1 else tuple(grads)
+
+
+@dataclass
+class _Slot:
+    """What one (stage, micro-batch) keeps from its forward until its backward is done."""
+
+    inputs: Payload
+    output: Payload
+    layer_outputs: list[object]
+    """Each layer's output, kept when backward is split (zero-bubble) for W."""
+    loss: torch.Tensor | None = None
+    received: list[Payload] = field(default_factory=list)
+    """Payloads from the transport, handed back for reuse once the micro-batch is done."""
+    layer_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
+    """Gradient of each layer's output, from I, for W."""
+
+
+@dataclass
+class StepResult:
+    """What one rank's run of its actions produced."""
+
+    loss: torch.Tensor | None
+    """The sum of the weighted micro-batch losses, on the rank of the last stage."""
+    outputs: list[Payload]
+    """The last stage's output per micro-batch, when kept (forward-only runs)."""
+    events: list[Event]
+    """Each action as it really ran, in seconds from the start."""
+    spans: list[Span]
+    """Time spent waiting for transfers."""
+
+
+class Executor:
+    """Runs a rank's actions against its stages, posting receives early and sending without waiting.
+
+    F runs the stage's layers and sends the output on. B runs autograd from
+    the output gradient (or the weighted loss) into the parameters and the
+    stage input, and sends the input gradient back. Zero-bubble splits B: I
+    computes the input gradient and, on the way, the gradient of every layer's
+    output; W later turns those into each layer's parameter gradients, layer
+    by layer, so nothing is accumulated twice and no activation gradient is
+    recomputed across layers. Receives for the next actions are posted before
+    the current one computes, so transfers overlap compute.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        position: int,
+        stages: dict[int, StageModule],
+        transport: Transport,
+        peers: Sequence[int],
+        *,
+        lookahead: int = 2,
+    ) -> None:
+        self.schedule = schedule
+        self.position = position
+        """This rank's place in the pipeline, 0 .. n_ranks - 1."""
+        self.stages = stages
+        self.transport = transport
+        self.peers = list(peers)
+        """Global rank of each pipeline position."""
+        self.lookahead = lookahead
+        self.last = schedule.n_stages - 1
+
+    def _source(self, action: Action) -> tuple[int, int] | None:
+        """(position, stream) that ``action`` receives from, or None when its input is local."""
+        s = action.stage
+        if action.kind is Kind.F and s > 0:
+            src, stream = self.schedule.rank_of(s - 1), ACTIVATIONS
+        elif action.kind.is_backward and s < self.last:
+            src, stream = self.schedule.rank_of(s + 1), GRADIENTS
+        else:
+            return None
+        return None if src == self.position else (src, stream)
+
+    def _send(self, payload: Payload, stage: int, mb: int, action: Action, stream: int) -> None:
+        thing = "activation" if stream == ACTIVATIONS else "gradient"
+        self.transport.send(
+            payload,
+            self.peers[self.schedule.rank_of(stage)],
+            what=f"the {thing} of micro-batch {mb} from {action}",
+            stream=stream,
+        )
+
+    def run(
+        self,
+        actions: Sequence[Action],
+        inputs: Microbatches | None,
+        targets: Microbatches | None,
+        loss_fn: LossFn | None,
+        *,
+        training: bool = True,
+    ) -> StepResult:
+        """Run ``actions`` in order; ``training=False`` runs forwards only and keeps the outputs."""
+        run = _Run(self, actions, inputs, targets, loss_fn=loss_fn, training=training)
+        for i, action in enumerate(actions):
+            run.act(i, action)
+        self.transport.wait_sends()
+        return StepResult(run.total, run.outputs, run.events, run.spans)
+
+
+class _Run:
+    """The state of one pass over a rank's actions."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        actions: Sequence[Action],
+        inputs: Microbatches | None,
+        targets: Microbatches | None,
+        *,
+        loss_fn: LossFn | None,
+        training: bool,
+    ) -> None:
+        self.x = executor
+        self.actions = actions
+        self.inputs, self.targets, self.loss_fn, self.training = inputs, targets, loss_fn, training
+        self.start = time.perf_counter()
+        self.slots: dict[tuple[int, int], _Slot] = {}
+        self.handoff: dict[tuple[int, int], Payload] = {}
+        self.posted: dict[int, Receiving] = {}
+        self.busy: set[tuple[int, int]] = set()
+        self.cursor = 0
+        self.events: list[Event] = []
+        self.spans: list[Span] = []
+        self.outputs: list[Payload] = []
+        self.total: torch.Tensor | None = None
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def _post(self, upto: int) -> None:
+        """Post receives for actions up to ``upto``, in order, one outstanding per (peer, stream)."""
+        while self.cursor < min(upto, len(self.actions)):
+            action = self.actions[self.cursor]
+            source = self.x._source(action)
+            if source is not None:
+                if source in self.busy:
+                    return
+                self.busy.add(source)
+                thing = "activation" if action.kind is Kind.F else "gradient"
+                self.posted[self.cursor] = self.x.transport.irecv(
+                    self.x.peers[source[0]],
+                    what=f"the {thing} of micro-batch {action.microbatch} for {action} (stage {action.stage})",
+                    stream=source[1],
+                )
+            self.cursor += 1
+
+    def _receive(self, i: int, source: tuple[int, int]) -> Payload:
+        self._post(i + 1)
+        handle = self.posted.pop(i)
+        waited = self._now()
+        payload = handle.wait()
+        self.busy.discard(source)
+        self.spans.append(Span(self.x.position, f"wait {self.actions[i]}", "wait", waited, self._now()))
+        return payload
+
+    def act(self, i: int, action: Action) -> None:
+        self._post(i + 1 + self.x.lookahead)
+        source = self.x._source(action)
+        incoming = self._receive(i, source) if source is not None else None
+        began = self._now()
+        if action.kind is Kind.F:
+            self._forward(action, incoming)
+        elif action.kind.is_backward:
+            self._backward(action, incoming)
+        else:
+            self._weights(action)
+        self.events.append(Event(self.x.position, action, began, self._now()))
+
+    def _forward(self, action: Action, incoming: Payload | None) -> None:
+        s, mb, x = action.stage, action.microbatch, self.x
+        received: list[Payload] = []
+        if s == 0:
+            if self.inputs is None:
+                raise ValueError("the first stage needs inputs; pass them to step() on the rank that holds stage 0")
+            data = self.inputs.parts[mb]
+        elif incoming is not None:
+            data, received = incoming, [incoming]
+        else:
+            data = self.handoff.pop((s, mb))
+        keep: list[object] = []
+        out = x.stages[s].run(data, keep if self.training and x.schedule.splits_backward else None)
+        slot = _Slot(inputs=data, output=out, layer_outputs=keep, received=received)  # type: ignore[arg-type]
+        if s == x.last:
+            if self.training:
+                self._loss(slot, mb)
+            else:
+                self.outputs.append(out)  # type: ignore[arg-type]
+        elif x.schedule.rank_of(s + 1) == x.position:
+            self.handoff[(s + 1, mb)] = handed_over(out)  # type: ignore[arg-type]
+        else:
+            x._send(out, s + 1, mb, action, ACTIVATIONS)  # type: ignore[arg-type]
+        if self.training:
+            self.slots[(s, mb)] = slot
+        else:
+            for payload in received:
+                x.transport.release(payload)
+
+    def _loss(self, slot: _Slot, mb: int) -> None:
+        if self.targets is None or self.loss_fn is None:
+            raise ValueError("the last stage needs targets and a loss_fn; pass targets to step() on its rank")
+        loss = self.loss_fn(slot.output, self.targets.parts[mb])
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a scalar tensor, got {got}; reduce it over the micro-batch")
+        slot.loss = loss * self.targets.weights[mb]
+        value = slot.loss.detach()
+        self.total = value if self.total is None else self.total + value
+
+    def _backward(self, action: Action, incoming: Payload | None) -> None:
+        s, mb, x = action.stage, action.microbatch, self.x
+        slot = self.slots[(s, mb)]
+        roots: list[torch.Tensor]
+        root_grads: list[torch.Tensor | None]
+        if s == x.last:
+            assert slot.loss is not None
+            roots, root_grads = [slot.loss], [None]
+        else:
+            grads = incoming if incoming is not None else self.handoff.pop((s, mb))
+            if incoming is not None:
+                slot.received.append(incoming)
+            roots = grad_tensors(slot.output)
+            root_grads = list(as_tensors(grads)[0]) if roots else []
+        wanted = grad_tensors(slot.inputs) if s > 0 else []
+        per_layer = [grad_tensors(o) for o in slot.layer_outputs]
+        if not roots:  # nothing here depends on a gradient-carrying input or parameter
+            input_grads = [torch.zeros_like(t) for t in wanted]
+            slot.layer_grads = [[None] * len(group) for group in per_layer]
+        elif action.kind is Kind.B:
+            torch.autograd.backward(roots, root_grads)
+            input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
+        else:
+            flat = [t for group in per_layer for t in group]
+            got = torch.autograd.grad(roots, [*wanted, *flat], root_grads, retain_graph=True, allow_unused=True)
+            input_grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, wanted, strict=False)]
+            rest: list[torch.Tensor | None] = list(got[len(wanted) :])
+            for group in per_layer:
+                slot.layer_grads.append(rest[: len(group)])
+                rest = rest[len(group) :]
+        if s > 0:
+            # Always answer, so the previous stage never waits in vain; an empty tensor means "no gradient".
+            answer = _pack(input_grads) if input_grads else torch.zeros(0, device=x.transport.device)
+            if x.schedule.rank_of(s - 1) == x.position:
+                self.handoff[(s - 1, mb)] = answer
+            else:
+                x._send(answer, s - 1, mb, action, GRADIENTS)
+        if action.kind is Kind.B:
+            self._done(self.slots.pop((s, mb)))
+
+    def _weights(self, action: Action) -> None:
+        slot = self.slots.pop((action.stage, action.microbatch))
+        layers = self.x.stages[action.stage].layers
+        for layer, out, grads in zip(layers, slot.layer_outputs, slot.layer_grads, strict=True):
+            params = [p for p in layer.parameters() if p.requires_grad]
+            pairs = [(t, g) for t, g in zip(grad_tensors(out), grads, strict=True) if g is not None]
+            if params and pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params)
+        self._done(slot)
+
+    def _done(self, slot: _Slot) -> None:
+        for payload in slot.received:
+            self.x.transport.release(payload)

@@ -1,0 +1,60 @@
+"""Split a global batch into micro-batches along dim 0, and weigh their losses so they add up to the batch's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from stagewise.comm import Payload, as_tensors
+
+LossReduction = Literal["mean", "sum"]
+"""How ``loss_fn`` reduces over the samples of a batch."""
+
+
+@dataclass(frozen=True)
+class Microbatches:
+    """A batch cut into ``len(parts)`` micro-batches, with each one's weight in the total loss."""
+
+    parts: tuple[Payload, ...]
+    sizes: tuple[int, ...]
+    """Samples in each micro-batch; they differ by at most one."""
+    weights: tuple[float, ...]
+    """Factor of each micro-batch's loss: ``size / batch`` for a mean loss, 1 for a sum."""
+
+
+def batch_size(payload: Payload, what: str) -> int:
+    tensors, _ = as_tensors(payload)
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if None in sizes or len(sizes) != 1:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(f"the {what} tensors must share their first (batch) dimension, got shapes {shapes}")
+    (size,) = sizes
+    assert size is not None
+    return int(size)
+
+
+def split(payload: Payload, n: int, *, what: str, reduction: LossReduction = "mean") -> Microbatches:
+    """Cut ``payload`` into ``n`` micro-batches along dim 0 (``torch.tensor_split``: sizes differ by at most 1)."""
+    total = batch_size(payload, what)
+    if n > total:
+        raise ValueError(
+            f"n_microbatches={n} is more than the batch of {total} {what}; "
+            f"use at most {total} micro-batches or a larger batch"
+        )
+    tensors, is_tuple = as_tensors(payload)
+    pieces = [torch.tensor_split(t, n) for t in tensors]
+    parts: list[Payload] = [tuple(p[i] for p in pieces) if is_tuple else pieces[0][i] for i in range(n)]
+    sizes = tuple(int(p[0].shape[0]) for p in zip(*pieces, strict=True))
+    weights = tuple(s / total if reduction == "mean" else 1.0 for s in sizes)
+    return Microbatches(tuple(parts), sizes, weights)
+
+
+def concat(parts: Sequence[Payload]) -> Payload:
+    """Join micro-batch outputs back into one batch along dim 0."""
+    first, is_tuple = as_tensors(parts[0])
+    columns = [[as_tensors(p)[0][i] for p in parts] for i in range(len(first))]
+    joined = tuple(torch.cat(c) for c in columns)
+    return joined if is_tuple else joined[0]

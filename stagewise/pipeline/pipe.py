@@ -1,0 +1,228 @@
+"""Pipeline: a partitioned model trained across ranks, equal to the unsplit model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stagewise.comm import Payload, PipelineMesh, Transport, init_mesh
+from stagewise.partition import Partition, layers_of
+from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.executor import Executor, LossFn, StepResult
+from stagewise.pipeline.microbatch import LossReduction, concat, split
+from stagewise.pipeline.render import to_chrome_trace
+from stagewise.pipeline.schedules import ScheduleName, build
+from stagewise.pipeline.stage import StageModule, materialise
+from stagewise.pipeline.validate import validate
+
+log = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """A chain model split by ``partition`` and trained with ``schedule`` across the ranks of a pipeline.
+
+    Each rank materialises only the layers of its own stages: rank ``r`` of
+    ``p`` holds stages ``r, r + p, ...`` (more than one with ``n_virtual > 1``).
+    A layer on the meta device is allocated on ``device`` and initialised from
+    ``(seed, layer index)`` alone, so the same seed gives the same model for
+    any split; a layer with real weights keeps them. Other ranks' layers are
+    never touched.
+
+    ``step(inputs, targets)`` cuts the global batch into ``n_microbatches``
+    (sizes may differ by one), runs this rank's actions of the schedule and
+    leaves this rank's parameter gradients in ``.grad``, accumulated like
+    ``loss.backward()``. The gradients and the returned loss equal those of
+    ``loss_fn(model(inputs), targets)`` on the whole batch in one process:
+    with ``loss_reduction="mean"`` (a loss averaged over the batch, the
+    default of torch's losses) each micro-batch's loss is weighted by its
+    share of the batch, ``size / batch``; with ``"sum"`` the losses are added.
+
+    Args:
+        model: a chain (see :func:`stagewise.partition.layers_of`), on the meta device or with real weights.
+        partition: the split into stages; ``partition.n_stages`` must be ``n_ranks * n_virtual``.
+        schedule: a built-in schedule's name, or a :class:`Schedule` (e.g. loaded from text).
+        n_microbatches: micro-batches per step.
+        loss_fn: ``loss_fn(output, target)`` for one micro-batch, a scalar tensor.
+        mesh: the process mesh; by default :func:`stagewise.comm.init_mesh` with ``pp`` ranks.
+        device: where this rank computes; by default the mesh's device.
+        n_virtual: stages per rank (interleaved schedules).
+        activation_checkpointing: recompute each layer's forward during backward instead of keeping its activations.
+        seed: the seed of layer initialisation for meta-device models.
+        loss_reduction: how ``loss_fn`` reduces over a batch: "mean" or "sum".
+        timeout: bound on every wait for another rank, in seconds.
+        trace: write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        partition: Partition,
+        *,
+        schedule: ScheduleName | Schedule = "1f1b",
+        n_microbatches: int,
+        loss_fn: LossFn,
+        mesh: PipelineMesh | None = None,
+        device: torch.device | str | None = None,
+        n_virtual: int = 1,
+        activation_checkpointing: bool = False,
+        seed: int = 0,
+        loss_reduction: LossReduction = "mean",
+        timeout: float = 300.0,
+        trace: str | Path | None = None,
+    ) -> None:
+        if not isinstance(partition, Partition):
+            raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        layers = layers_of(model)
+        if partition.n_layers != len(layers):
+            raise ValueError(
+                f"the partition splits {partition.n_layers} layers but the model has {len(layers)}; "
+                "partition this model's layers (stagewise.partition.auto or balance)"
+            )
+        if isinstance(schedule, Schedule):
+            plan = schedule
+            if plan.n_stages != partition.n_stages or plan.n_microbatches != n_microbatches:
+                raise ValueError(
+                    f"the schedule is for {plan.n_stages} stages and {plan.n_microbatches} micro-batches, but the "
+                    f"partition has {partition.n_stages} stages and n_microbatches is {n_microbatches}"
+                )
+        else:
+            plan = build(schedule, partition.n_stages, n_microbatches, n_virtual=n_virtual)
+        validate(plan)
+        if activation_checkpointing and plan.splits_backward:
+            raise ValueError(
+                "activation checkpointing and split backward (zero-bubble) do not combine: W would recompute "
+                "every layer's forward a second time; choose one"
+            )
+        self.schedule = plan
+        self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, timeout=timeout)
+        if self.mesh.layout.pp != plan.n_ranks:
+            raise ValueError(
+                f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
+                f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
+            )
+        if self.mesh.layout.dp != 1:
+            raise ValueError(f"this Pipeline runs one replica (dp=1); the mesh has dp={self.mesh.layout.dp}")
+        self.device = torch.device(device) if device is not None else self.mesh.device
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.loss_reduction: LossReduction = loss_reduction
+        self.position = self.mesh.stage
+        self.stages: dict[int, StageModule] = {}
+        b = partition.bounds
+        for s in plan.stages_of(self.position):
+            mine = layers[b[s] : b[s + 1]]
+            for offset, layer in enumerate(mine):
+                materialise(layer.module, b[s] + offset, self.device, seed)
+            self.stages[s] = StageModule(s, b[s], mine, checkpointing=activation_checkpointing)
+        peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
+        self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout))
+        self.executor = Executor(plan, self.position, self.stages, self.transport, peers)
+        self.trace = None if trace is None else Path(trace)
+        self.last_result: StepResult | None = None
+        log.info(
+            "rank %d holds stages %s (%d parameters) on %s",
+            self.mesh.rank,
+            list(self.stages),
+            sum(p.numel() for p in self.parameters()),
+            self.device,
+        )
+
+    # --- parameters and state -------------------------------------------------------------------
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters."""
+        for stage in self.stages.values():
+            yield from stage.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters, named as in the unsplit model."""
+        for stage in self.stages.values():
+            yield from stage.named_chain_parameters()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers, named as in the unsplit model."""
+        out: dict[str, torch.Tensor] = {}
+        for stage in self.stages.values():
+            out.update(stage.chain_state_dict())
+        return out
+
+    def train(self, mode: bool = True) -> Pipeline:
+        for stage in self.stages.values():
+            stage.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    @property
+    def is_first(self) -> bool:
+        """True on the rank holding stage 0, which needs the inputs."""
+        return 0 in self.stages
+
+    @property
+    def is_last(self) -> bool:
+        """True on the rank holding the last stage, which needs the targets and computes the loss."""
+        return self.schedule.n_stages - 1 in self.stages
+
+    # --- running --------------------------------------------------------------------------------
+
+    def _to_device(self, payload: Payload) -> Payload:
+        if isinstance(payload, torch.Tensor):
+            return payload.to(self.device)
+        return tuple(t.to(self.device) for t in payload)
+
+    def step(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
+        """One training step's forward and backward over the global batch; returns the loss on every rank.
+
+        ``inputs`` are needed on the rank of stage 0 and ``targets`` on the
+        rank of the last stage; other ranks may pass them or None.
+        """
+        m = self.n_microbatches
+        ins = split(self._to_device(inputs), m, what="inputs") if self.is_first and inputs is not None else None
+        if self.is_first and ins is None:
+            raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
+        tgs = None
+        if self.is_last:
+            if targets is None:
+                raise ValueError(
+                    f"rank {self.mesh.rank} holds the last stage and needs the targets to compute the loss; got None"
+                )
+            tgs = split(self._to_device(targets), m, what="targets", reduction=self.loss_reduction)
+        if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
+            raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
+        with torch.enable_grad():
+            result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
+        self._record(result)
+        loss = result.loss if result.loss is not None else torch.zeros((), device=self.device)
+        loss = loss.detach().to(self.device, torch.float32).clone()
+        last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
+        dist.broadcast(loss, src=last, group=self.mesh.pp_group)
+        return loss
+
+    def predict(self, inputs: Payload | None) -> Payload | None:
+        """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere."""
+        m = self.n_microbatches
+        ins = split(self._to_device(inputs), m, what="inputs") if self.is_first and inputs is not None else None
+        if self.is_first and ins is None:
+            raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
+        forward = [Action(s, Kind.F, mb) for mb in range(m) for s in sorted(self.stages)]
+        with torch.no_grad():
+            result = self.executor.run(forward, ins, None, None, training=False)
+        self._record(result)
+        return concat(result.outputs) if self.is_last else None
+
+    def _record(self, result: StepResult) -> None:
+        self.last_result = result
+        if self.trace is not None:
+            path = self.trace.with_name(f"{self.trace.stem}.rank{self.mesh.rank}{self.trace.suffix or '.json'}")
+            to_chrome_trace(result.events, path, spans=result.spans)

@@ -1,0 +1,127 @@
+"""Pipeline training equals the unsplit model, for drawn chains, partitions, schedules and micro-batch counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from chains import KINDS, Chain, mse, reference
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multiproc import run_ranks
+
+from stagewise.comm import init_mesh
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline
+
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Case:
+    chain: Chain
+    bounds: tuple[int, ...]
+    schedule: str
+    n_virtual: int
+    n_microbatches: int
+    batch: int
+
+
+def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(n_ranks, timeout=60)
+    results = []
+    for case in cases:
+        model = case.chain.build()
+        pipe = Pipeline(
+            model,
+            Partition.from_bounds(case.bounds),
+            schedule=case.schedule,  # type: ignore[arg-type]
+            n_microbatches=case.n_microbatches,
+            n_virtual=case.n_virtual,
+            loss_fn=mse,
+            mesh=mesh,
+            timeout=20,
+        )
+        params = list(pipe.parameters())
+        opt = torch.optim.SGD(params, lr=0.05) if params else None  # a stage may hold only GELUs
+        losses, first_grads = [], {}
+        for step in range(STEPS):
+            x, y = case.chain.batch(case.batch, step)
+            if opt is not None:
+                opt.zero_grad()
+            losses.append(pipe.step(x, y).item())
+            if step == 0:
+                first_grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+            if opt is not None:
+                opt.step()
+        final = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        results.append({"losses": losses, "grads": first_grads, "params": final})
+    dist.destroy_process_group()
+    return results
+
+
+@st.composite
+def cases(draw: st.DrawFn, n_ranks: int) -> Case:
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]))
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    n_stages = n_ranks * v
+    with_ids = draw(st.booleans())
+    extra = 2 if with_ids else 0
+    kinds = tuple(draw(st.lists(st.sampled_from(KINDS), min_size=max(n_stages - extra, 2), max_size=n_stages + 4)))
+    chain = Chain(kinds, width=8, with_ids=with_ids, seed=draw(st.integers(0, 1000)))
+    n = chain.n_layers
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=n_stages - 1, max_size=n_stages - 1, unique=True)))
+    m = draw(st.integers(1, 8))
+    if schedule == "interleaved-1f1b":
+        m = n_ranks * draw(st.integers(1, max(1, 8 // n_ranks)))
+    batch = draw(st.integers(m, 3 * m + 2))
+    if batch % m == 0 and batch > m:
+        batch += 1  # sizes not divisible by m, where possible
+    return Case(chain, (0, *cuts, n), schedule, v, m, batch)
+
+
+def check(case_list: list[Case], n_ranks: int) -> None:
+    per_rank = run_ranks(train_cases, n_ranks, case_list, n_ranks, timeout=240)
+    for i, case in enumerate(case_list):
+        want = reference(case.chain, case.batch, STEPS)
+        got_grads: dict[str, torch.Tensor] = {}
+        got_params: dict[str, torch.Tensor] = {}
+        for rank in range(n_ranks):
+            result = per_rank[rank][i]
+            assert result["losses"] == per_rank[0][i]["losses"], "every rank returns the same loss"
+            got_grads.update(result["grads"])
+            got_params.update(result["params"])
+        torch.testing.assert_close(
+            torch.tensor(per_rank[0][i]["losses"]), torch.tensor(want["losses"]), atol=1e-5, rtol=1e-5, msg=str(case)
+        )
+        assert got_grads.keys() == want["grads"].keys(), case  # type: ignore[attr-defined]
+        for name, grad in want["grads"].items():  # type: ignore[attr-defined]
+            torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-5, msg=f"{name} in {case}")
+        for name, param in want["params"].items():  # type: ignore[attr-defined]
+            torch.testing.assert_close(got_params[name], param, atol=1e-5, rtol=1e-5, msg=f"{name} in {case}")
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(cases(2), min_size=12, max_size=12))
+def test_two_ranks_equal_the_unsplit_model(case_list: list[Case]) -> None:
+    check(case_list, 2)
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(cases(3), min_size=12, max_size=12))
+def test_three_ranks_equal_the_unsplit_model(case_list: list[Case]) -> None:
+    check(case_list, 3)
+
+
+def test_every_schedule_on_a_fixed_case() -> None:
+    chain = Chain(("linear", "gelu", "residual", "norm", "linear", "residual"), with_ids=True, seed=3)
+    fixed = [
+        Case(chain, (0, 2, 5, 8), "gpipe", 1, 5, 13),
+        Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11),
+        Case(chain, (0, 1, 6, 8), "zero-bubble", 1, 7, 9),
+        Case(chain, (0, 1, 2, 3, 5, 6, 8), "interleaved-1f1b", 2, 6, 14),
+        Case(chain, (0, 4, 6, 8), "zero-bubble", 1, 1, 3),
+    ]
+    check(fixed, 3)
