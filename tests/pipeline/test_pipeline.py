@@ -1,0 +1,205 @@
+"""Pipeline: initialisation by (seed, layer), meta models, predict, traces, custom schedules, and refusals."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from chains import Chain, mse, reference
+from multiproc import run_ranks
+
+from stagewise.comm import LaunchError, init_mesh
+from stagewise.models import GPT, GPTConfig
+from stagewise.partition import Partition, layers_of
+from stagewise.pipeline import Pipeline, Schedule, build, materialise_model
+
+CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2)  # 7 layers
+SPLITS = {1: (0, 7), 2: (0, 3, 7), 3: (0, 2, 5, 7)}
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_on_meta(n_ranks: int) -> dict[str, object]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(n_ranks, timeout=30)
+    model = GPT(CONFIG, device="meta")
+    pipe = Pipeline(model, Partition.from_bounds(SPLITS[n_ranks]), n_microbatches=2, loss_fn=lm_loss, mesh=mesh, seed=7)
+    allocated = sum(p.numel() for p in model.parameters() if not p.is_meta)
+    own = sum(p.numel() for p in pipe.parameters())
+    initial = {k: v.clone() for k, v in pipe.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32, (5, 8), generator=g)
+    targets = torch.randint(0, 32, (5, 8), generator=g)
+    loss = pipe.step(ids, targets).item()
+    logits = pipe.predict(ids)
+    dist.destroy_process_group()
+    return {"allocated": allocated, "own": own, "initial": initial, "loss": loss, "logits": logits}
+
+
+def test_same_seed_same_model_for_any_stage_count_and_no_foreign_layers() -> None:
+    reference_model = materialise_model(GPT(CONFIG, device="meta"), seed=7)
+    want = reference_model.state_dict()
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 32, (5, 8), generator=g), torch.randint(0, 32, (5, 8), generator=g)
+    want_loss = lm_loss(reference_model(ids), targets).item()
+    for n_ranks in (1, 2, 3):
+        results = run_ranks(gpt_on_meta, n_ranks, n_ranks)
+        got: dict[str, torch.Tensor] = {}
+        for result in results.values():
+            # Each rank allocated exactly its own stage's parameters, and nothing of the others'.
+            assert result["allocated"] == result["own"] > 0
+            got.update(result["initial"])
+            assert result["loss"] == pytest.approx(want_loss, abs=1e-5)
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, atol=0, rtol=0, msg=f"{name} with {n_ranks} stages")
+        last = results[n_ranks - 1]["logits"]
+        torch.testing.assert_close(last, reference_model(ids), atol=1e-5, rtol=1e-5)
+        assert all(results[r]["logits"] is None for r in range(n_ranks - 1))
+
+
+def misc(tmp: str) -> dict[str, object]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=30)
+    chain = Chain(("linear", "residual", "norm", "linear"), seed=5)
+    out: dict[str, object] = {}
+    x, y = chain.batch(7, 0)
+    # Activation checkpointing recomputes but gives the same gradients.
+    pipe = Pipeline(
+        chain.build(),
+        Partition.from_bounds((0, 2, 4)),
+        n_microbatches=3,
+        loss_fn=mse,
+        mesh=mesh,
+        activation_checkpointing=True,
+        trace=Path(tmp) / "trace.json",
+    )
+    out["loss"] = pipe.step(x, y).item()
+    out["grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    # A custom schedule from its text form.
+    text = build("1f1b", 2, 3).to_text()
+    custom = Pipeline(
+        chain.build(),
+        Partition.from_bounds((0, 2, 4)),
+        schedule=Schedule.from_text(text),
+        n_microbatches=3,
+        loss_fn=mse,
+        mesh=mesh,
+    )
+    out["custom_loss"] = custom.step(x, y).item()
+    # Refused on both ranks before anything is sent.
+    errors = {}
+    try:
+        Pipeline(chain.build(), Partition.from_bounds((0, 2, 4)), n_microbatches=9, loss_fn=mse, mesh=mesh).step(x, y)
+    except ValueError as err:
+        errors["too_many_microbatches"] = str(err)
+    out["errors"] = errors
+    dist.destroy_process_group()
+    return out
+
+
+def test_checkpointing_custom_schedules_traces_and_refusals(tmp_path: Path) -> None:
+    results = run_ranks(misc, 2, str(tmp_path))
+    chain = Chain(("linear", "residual", "norm", "linear"), seed=5)
+    want = reference(chain, 7, 1)
+    assert results[0]["loss"] == pytest.approx(want["losses"][0], abs=1e-5)  # type: ignore[index]
+    assert results[1]["custom_loss"] == pytest.approx(want["losses"][0], abs=1e-5)  # type: ignore[index]
+    grads = {**results[0]["grads"], **results[1]["grads"]}  # type: ignore[dict-item]
+    for name, grad in want["grads"].items():  # type: ignore[attr-defined]
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5)
+    for rank in (0, 1):
+        trace = json.loads((tmp_path / f"trace.rank{rank}.json").read_text())["traceEvents"]
+        names = {e["name"] for e in trace if e["ph"] == "X"}
+        assert {f"{rank}F0", f"{rank}B2"} <= names
+        assert any(e.get("cat") == "wait" for e in trace)
+    assert "n_microbatches=9 is more than the batch of 7 inputs" in results[0]["errors"]["too_many_microbatches"]  # type: ignore[index]
+    assert "n_microbatches=9 is more than the batch of 7 targets" in results[1]["errors"]["too_many_microbatches"]  # type: ignore[index]
+
+
+def last_stage_refuses(case: str) -> str:
+    """The last stage refuses; the first, waiting for its gradient, times out and says for what."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=30)
+    chain = Chain(("linear", "linear"), seed=1)
+    loss_fn = (lambda o, t: (o - t) ** 2) if case == "non_scalar_loss" else mse
+    pipe = Pipeline(
+        chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=loss_fn, mesh=mesh, timeout=3
+    )
+    x, y = chain.batch(4, 0)
+    try:
+        pipe.step(x, None if case == "missing_targets" and dist.get_rank() == 1 else y)
+    except (ValueError, RuntimeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("non_scalar_loss", "ValueError: loss_fn must return a scalar tensor, got shape (2, 8)"),
+        ("missing_targets", "ValueError: rank 1 holds the last stage and needs the targets to compute the loss"),
+    ],
+)
+def test_the_last_stage_refuses_bad_losses_and_missing_targets(case: str, message: str) -> None:
+    results = run_ranks(last_stage_refuses, 2, case, timeout=60)
+    assert results[1].startswith(message)
+    assert results[0].startswith("CommTimeoutError: rank 0 timed out after 3 s waiting for the gradient")
+
+
+def stalled(seconds: float) -> str:
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    chain = Chain(("linear", "linear"), seed=1)
+    pipe = Pipeline(
+        chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse, mesh=mesh, timeout=2
+    )
+    if dist.get_rank() == 1:
+        time.sleep(seconds)  # alive, but stuck somewhere else
+    x, y = chain.batch(4, 0)
+    pipe.step(x, y)
+    return "finished"
+
+
+def test_a_stalled_peer_gives_a_named_error_not_a_hang() -> None:
+    start = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        run_ranks(stalled, 2, 15.0, timeout=60)
+    assert time.perf_counter() - start < 15
+    failure = info.value.failures[0]
+    assert failure.rank == 0
+    assert failure.message.startswith(
+        "CommTimeoutError: rank 0 timed out after 2 s waiting for the gradient of micro-batch 0 for 0B0 (stage 0)"
+    )
+
+
+def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    chain = Chain(("linear", "linear"))
+    with pytest.raises(ValueError, match=r"the partition splits 3 layers but the model has 2"):
+        Pipeline(chain.build(), Partition.from_bounds((0, 1, 3)), n_microbatches=2, loss_fn=mse)
+    with pytest.raises(TypeError, match=r"partition must be a stagewise Partition, got tuple"):
+        Pipeline(chain.build(), (0, 1, 2), n_microbatches=2, loss_fn=mse)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"activation checkpointing and split backward \(zero-bubble\) do not combine"):
+        Pipeline(
+            chain.build(),
+            Partition.from_bounds((0, 1, 2)),
+            schedule="zero-bubble",
+            n_microbatches=2,
+            loss_fn=mse,
+            activation_checkpointing=True,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"the schedule is for 2 stages and 3 micro-batches, but the partition has 2 stages and "
+        r"n_microbatches is 2",
+    ):
+        Pipeline(
+            chain.build(), Partition.from_bounds((0, 1, 2)), schedule=build("1f1b", 2, 3), n_microbatches=2, loss_fn=mse
+        )
+    assert len(layers_of(chain.build())) == 2
