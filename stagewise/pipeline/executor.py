@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from stagewise.comm import Payload, Receiving, Transport, as_tensors
 from stagewise.pipeline.actions import Action, Kind, Schedule
@@ -47,13 +48,13 @@ class _Slot:
 
     inputs: Payload
     output: Payload
-    layer_outputs: list[object]
-    """Each layer's output, kept when backward is split (zero-bubble) for W."""
+    owners: list[tuple[nn.Module, object]]
+    """When backward is split (zero-bubble): each parameter-owning module and its output, for W."""
     loss: torch.Tensor | None = None
     received: list[Payload] = field(default_factory=list)
     """Payloads from the transport, handed back for reuse once the micro-batch is done."""
-    layer_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
-    """Gradient of each layer's output, from I, for W."""
+    owner_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
+    """Gradient of each owner's output, from I, for W."""
 
 
 @dataclass
@@ -76,10 +77,10 @@ class Executor:
     F runs the stage's layers and sends the output on. B runs autograd from
     the output gradient (or the weighted loss) into the parameters and the
     stage input, and sends the input gradient back. Zero-bubble splits B: I
-    computes the input gradient and, on the way, the gradient of every layer's
-    output; W later turns those into each layer's parameter gradients, layer
-    by layer, so nothing is accumulated twice and no activation gradient is
-    recomputed across layers. Receives for the next actions are posted before
+    computes the input gradient and, on the way, the gradient of the output of
+    every module that owns parameters; W later turns each of those into that
+    module's own parameter gradients, so nothing is accumulated twice and no
+    activation gradient is computed again beyond the owning module. Receives for the next actions are posted before
     the current one computes, so transfers overlap compute.
     """
 
@@ -220,9 +221,9 @@ class _Run:
             data, received = incoming, [incoming]
         else:
             data = self.handoff.pop((s, mb))
-        keep: list[object] = []
-        out = x.stages[s].run(data, keep if self.training and x.schedule.splits_backward else None)
-        slot = _Slot(inputs=data, output=out, layer_outputs=keep, received=received)  # type: ignore[arg-type]
+        owners: list[tuple[nn.Module, object]] = []
+        out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None)
+        slot = _Slot(inputs=data, output=out, owners=owners, received=received)  # type: ignore[arg-type]
         if s == x.last:
             if self.training:
                 self._loss(slot, mb)
@@ -256,7 +257,8 @@ class _Run:
         root_grads: list[torch.Tensor | None]
         if s == x.last:
             assert slot.loss is not None
-            roots, root_grads = [slot.loss], [None]
+            roots = [slot.loss] if slot.loss.requires_grad else []  # no gradient: nothing trainable feeds it
+            root_grads = [None] * len(roots)
         else:
             grads = incoming if incoming is not None else self.handoff.pop((s, mb))
             if incoming is not None:
@@ -264,20 +266,20 @@ class _Run:
             roots = grad_tensors(slot.output)
             root_grads = list(as_tensors(grads)[0]) if roots else []
         wanted = grad_tensors(slot.inputs) if s > 0 else []
-        per_layer = [grad_tensors(o) for o in slot.layer_outputs]
+        per_owner = [grad_tensors(o) for _, o in slot.owners]
         if not roots:  # nothing here depends on a gradient-carrying input or parameter
             input_grads = [torch.zeros_like(t) for t in wanted]
-            slot.layer_grads = [[None] * len(group) for group in per_layer]
+            slot.owner_grads = [[None] * len(group) for group in per_owner]
         elif action.kind is Kind.B:
             torch.autograd.backward(roots, root_grads)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
         else:
-            flat = [t for group in per_layer for t in group]
+            flat = [t for group in per_owner for t in group]
             got = torch.autograd.grad(roots, [*wanted, *flat], root_grads, retain_graph=True, allow_unused=True)
             input_grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, wanted, strict=False)]
             rest: list[torch.Tensor | None] = list(got[len(wanted) :])
-            for group in per_layer:
-                slot.layer_grads.append(rest[: len(group)])
+            for group in per_owner:
+                slot.owner_grads.append(rest[: len(group)])
                 rest = rest[len(group) :]
         if s > 0:
             # Always answer, so the previous stage never waits in vain; an empty tensor means "no gradient".
@@ -291,12 +293,13 @@ class _Run:
 
     def _weights(self, action: Action) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
-        layers = self.x.stages[action.stage].layers
-        for layer, out, grads in zip(layers, slot.layer_outputs, slot.layer_grads, strict=True):
-            params = [p for p in layer.parameters() if p.requires_grad]
+        for (module, out), grads in zip(slot.owners, slot.owner_grads, strict=True):
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
             pairs = [(t, g) for t, g in zip(grad_tensors(out), grads, strict=True) if g is not None]
             if params and pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params)
+                # Only this module's own parameters: autograd stops where they are reached, so no
+                # activation gradient is recomputed beyond the module and nothing is counted twice.
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
         self._done(slot)
 
     def _done(self, slot: _Slot) -> None:

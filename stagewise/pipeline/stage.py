@@ -74,16 +74,27 @@ class StageModule(nn.Module):
         self.names = [layer.name for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.checkpointing = checkpointing
+        self.capture: list[tuple[nn.Module, object]] | None = None
+        """While a list, every module that owns parameters appends (module, output) here as it runs."""
+        for module in self.layers.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                module.register_forward_hook(self._record)
 
-    def run(self, x: object, keep: list[object] | None = None) -> object:
-        """Apply the layers in order; with ``keep``, append each layer's output to it."""
-        for layer in self.layers:
-            if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-            if keep is not None:
-                keep.append(x)
+    def _record(self, module: nn.Module, args: object, output: object) -> None:
+        if self.capture is not None:
+            self.capture.append((module, output))
+
+    def run(self, x: object, owners: list[tuple[nn.Module, object]] | None = None) -> object:
+        """Apply the layers in order; with ``owners``, record the output of every module that owns parameters."""
+        self.capture = owners
+        try:
+            for layer in self.layers:
+                if self.checkpointing and torch.is_grad_enabled():
+                    x = checkpoint(layer, x, use_reentrant=False)
+                else:
+                    x = layer(x)
+        finally:
+            self.capture = None
         return x
 
     def forward(self, x: object) -> object:

@@ -99,17 +99,20 @@ def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def reference(chain: Chain, batch: int, steps: int, lr: float = 0.05) -> dict[str, object]:
     """Plain single-process training of the unsplit chain on the same batches."""
     model = chain.build()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=lr) if params else None  # a chain of GELUs has nothing to train
     losses, first_grads = [], {}
     for step in range(steps):
         x, y = chain.batch(batch, step)
-        opt.zero_grad()
         loss = mse(model(x), y)
-        loss.backward()
+        if opt is not None:
+            opt.zero_grad()
+            loss.backward()
         losses.append(loss.item())
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
+        if opt is not None:
+            opt.step()
     return {
         "losses": losses,
         "grads": first_grads,

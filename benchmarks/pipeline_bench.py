@@ -1,0 +1,212 @@
+"""Pipeline step time on 2 gloo processes: stagewise vs torch.distributed.pipelining vs one process.
+
+On identical stages and data (residual-MLP blocks of width d, L blocks,
+batch B, m micro-batches, one thread per process), in one run:
+
+- single process, full batch, and single process, micro-batched (gradient accumulation);
+- stagewise.Pipeline with gpipe, 1f1b and zero-bubble;
+- torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages.
+
+Efficiency is the micro-batched single-process step time over p times the
+pipeline's step time (ideal m / (m + p - 1) = 0.889 for m=8, p=2). Peak
+activation memory is the largest total of tensors saved for backward that
+stage 0 holds at once. One JSON line per (d, variant):
+
+    python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise.comm import init_mesh, launch
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.down(F.gelu(self.up(self.norm(x))))
+        return out
+
+
+def model(d: int, n_layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(d) for _ in range(n_layers)))
+
+
+@contextmanager
+def saved_bytes(params: Iterator[nn.Parameter]) -> Iterator[list[int]]:
+    """Track the peak bytes of activations autograd keeps for backward (the parameters excluded)."""
+    weights = {p.untyped_storage().data_ptr() for p in params}
+    state = [0, 0]  # live, peak
+    live: dict[int, int] = {}
+
+    def drop(key: int, size: int) -> None:
+        live[key] -= 1
+        if not live[key]:
+            del live[key]
+            state[0] -= size
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in weights:
+            return t
+        if key not in live:
+            live[key] = 0
+            state[0] += size
+            state[1] = max(state[1], state[0])
+        live[key] += 1
+        weakref.finalize(t, drop, key, size)
+        return t
+
+    peak = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield peak
+    peak[0] = state[1]
+
+
+def _single(full: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    full.zero_grad()
+    F.mse_loss(full(x), y).backward()
+
+
+def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> None:
+    full.zero_grad()
+    for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+        (F.mse_loss(full(xs), ys) / m).backward()
+
+
+def _stagewise_step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> None:
+    for p in pipe.parameters():
+        p.grad = None
+    pipe.step(x, y)
+
+
+def _torch_step(sched: Any, mine: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    mine.zero_grad(set_to_none=True)
+    if rank == 0:
+        sched.step(x)
+    else:
+        sched.step(target=y, losses=[])
+
+
+def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> list[dict[str, object]]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=600)
+    rank = mesh.rank
+    rows: list[dict[str, object]] = []
+    for d in widths:
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+        variants: dict[str, Callable[[], object]] = {}
+        full = model(d, n_layers)
+        idle = functools.partial(lambda: None)
+        # The single-process references run on rank 0 alone while rank 1 waits.
+        variants["single_full_batch"] = functools.partial(_single, full, x, y) if rank == 0 else idle
+        variants["single_microbatched"] = functools.partial(_accumulated, full, x, y, m) if rank == 0 else idle
+        half = (0, n_layers // 2, n_layers)
+        pipes = {}
+        for schedule in ("gpipe", "1f1b", "zero-bubble"):
+            pipes[schedule] = Pipeline(
+                model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,
+                loss_fn=F.mse_loss, mesh=mesh, timeout=600,
+            )  # fmt: skip
+            variants[f"stagewise_{schedule}"] = functools.partial(_stagewise_step, pipes[schedule], x, y)
+        mine = nn.Sequential(*list(model(d, n_layers))[half[rank] : half[rank + 1]])
+        for name, cls in (("torch_gpipe", ScheduleGPipe), ("torch_1f1b", Schedule1F1B)):
+            sched = cls(PipelineStage(mine, rank, 2, torch.device("cpu")), m, loss_fn=F.mse_loss)
+            variants[name] = functools.partial(_torch_step, sched, mine, rank, x, y)
+        for fn in variants.values():  # warm-up, and torch's shape inference
+            fn()
+            fn()
+        # Round-robin over the variants, so the machine's drift touches them all alike.
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(steps):
+            for name, fn in variants.items():
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+        memory = {}
+        for schedule, pipe in pipes.items():
+            with saved_bytes(pipe.parameters()) as peak:
+                _stagewise_step(pipe, x, y)
+            memory[f"stagewise_{schedule}"] = peak[0]
+        times = {name: statistics.median(v) for name, v in samples.items()}
+        rows.append({"d": d, "rank": rank, "times": times, "stage_peak_saved_bytes": memory})
+    dist.destroy_process_group()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", default="256,1024")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    widths = [int(w) for w in args.widths.split(",")]
+    out = launch(worker, 2, widths, args.layers, args.batch, args.microbatches, args.steps)
+    p, m = 2, args.microbatches
+    for i, d in enumerate(widths):
+        r0, r1 = out[0][i], out[1][i]
+        t0: dict[str, float] = r0["times"]  # type: ignore[assignment]
+        t1: dict[str, float] = r1["times"]  # type: ignore[assignment]
+        both = {k: max(t0[k], t1[k]) for k in t0}  # a pipeline step ends when both ranks are done
+        both["single_full_batch"], both["single_microbatched"] = t0["single_full_batch"], t0["single_microbatched"]
+        ref = both["single_microbatched"]
+        for variant in ("gpipe", "1f1b", "zero-bubble"):
+            ours = both[f"stagewise_{variant}"]
+            row: dict[str, object] = {
+                "d": d,
+                "variant": f"stagewise {variant}",
+                "step_ms": round(ours * 1e3, 2),
+                "efficiency": round(ref / (p * ours), 3),
+                "ideal": round(m / (m + p - 1), 3),
+                "stage0_peak_saved_mib": round(r0["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
+            }
+            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(variant)
+            if torch_name:
+                row["torch_step_ms"] = round(both[torch_name] * 1e3, 2)
+                row["torch_efficiency"] = round(ref / (p * both[torch_name]), 3)
+                row["ratio_vs_torch"] = round(ours / both[torch_name], 3)
+            print(json.dumps(row), flush=True)
+        print(
+            json.dumps(
+                {
+                    "d": d,
+                    "variant": "single process",
+                    "full_batch_ms": round(both["single_full_batch"] * 1e3, 2),
+                    "microbatched_ms": round(ref * 1e3, 2),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
