@@ -4,7 +4,7 @@ from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError
 from stagewise.comm.launch import LaunchError, RankFailure, free_port, launch, launch_module
 from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
 from stagewise.comm.meta import TensorMeta
-from stagewise.comm.p2p import Payload, Pending, Receiving, Transport, as_tensors
+from stagewise.comm.p2p import Payload, PayloadLayout, Pending, Receiving, Transport, as_tensors
 
 __all__ = [
     "Backend",
@@ -14,6 +14,7 @@ __all__ = [
     "LaunchError",
     "Layout",
     "Payload",
+    "PayloadLayout",
     "PeerGoneError",
     "Pending",
     "PipelineMesh",

@@ -86,7 +86,7 @@ def _wait(work: dist.Work, *, rank: int, peer: int, what: str, timeout: timedelt
         )
 
 
-Layout: TypeAlias = tuple[bool, tuple[TensorMeta, ...]]
+PayloadLayout: TypeAlias = tuple[bool, tuple[TensorMeta, ...]]
 """Whether a payload is a tuple, and each tensor's metadata."""
 
 
@@ -94,7 +94,7 @@ Layout: TypeAlias = tuple[bool, tuple[TensorMeta, ...]]
 class _Channel:
     """What both ends of one (peer, stream) direction know after each message."""
 
-    layout: Layout | None = None
+    layout: PayloadLayout | None = None
     """The layout of the last message."""
     stable: bool = False
     """True when the last message had the same layout as the one before it."""
@@ -160,14 +160,22 @@ class Transport:
             return dist.batch_isend_irecv(ops)
         return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]  # what batch_isend_irecv does for gloo
 
-    def send(self, payload: Payload, to: int, *, what: str, stream: int = 0) -> Pending:
+    def send(self, payload: Payload, to: int, *, what: str, stream: int = 0, known: bool = False) -> Pending:
         """Post ``payload`` to rank ``to`` without waiting; returns the sends in flight.
 
-        Do not change the payload's tensors in place until the sends complete
+        With ``known=True`` the receiver already knows the layout (it passes
+        ``expect`` to :meth:`irecv`), so only the data travels. Do not change
+        the payload's tensors in place until the sends complete
         (:meth:`Pending.wait` or :meth:`wait_sends`).
         """
         tensors, is_tuple = as_tensors(payload)
-        layout: Layout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
+        if known:
+            data = [t.detach().to(self.device).contiguous() for t in tensors]
+            pending = Pending(self._post(self._ops(dist.isend, data, to, 2 * stream + 1)), self.rank, to, what,
+                              self.timeout, data)  # fmt: skip
+            self._in_flight.append(pending)
+            return pending
+        layout: PayloadLayout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
         channel = self._sent.setdefault((to, stream), _Channel())
         data = [t.detach().to(self.device).contiguous() for t in tensors]
         if channel.layout == layout:
@@ -196,11 +204,13 @@ class Transport:
         """Receive the next payload from rank ``src`` on ``stream``; blocks up to the timeout per wait."""
         return self.irecv(src, what=what, stream=stream).wait()
 
-    def irecv(self, src: int, *, what: str, stream: int = 0) -> Receiving:
+    def irecv(self, src: int, *, what: str, stream: int = 0, expect: PayloadLayout | None = None) -> Receiving:
         """Post the receive of the next payload from ``src`` now; :meth:`Receiving.wait` completes it.
 
-        At most one receive per (peer, stream) may be outstanding: the next
-        one's protocol depends on what this one brings.
+        ``expect`` is the layout when both sides know it (the sender passes
+        ``known=True``): then only data travels. At most one receive per
+        (peer, stream) may be outstanding: the next one's protocol depends on
+        what this one brings.
         """
         key = (src, stream)
         if key in self._receiving:
@@ -208,7 +218,7 @@ class Transport:
                 f"rank {self.rank} already has a receive from rank {src} on stream {stream} outstanding; "
                 "wait for it before posting the next"
             )
-        handle = Receiving(self, src, stream, what)
+        handle = Receiving(self, src, stream, what, expect)
         self._receiving.add(key)
         return handle
 
@@ -241,27 +251,46 @@ class Transport:
 class Receiving:
     """A posted receive; :meth:`wait` returns the payload (see :meth:`Transport.irecv`)."""
 
-    def __init__(self, transport: Transport, src: int, stream: int, what: str) -> None:
+    def __init__(
+        self, transport: Transport, src: int, stream: int, what: str, expect: PayloadLayout | None = None
+    ) -> None:
         self.transport, self.src, self.stream, self.what = transport, src, stream, what
         t = transport
+        self.expect = expect
         self.channel = t._received.setdefault((src, stream), _Channel())
         self.control = torch.empty(1, dtype=torch.int64, device=t.device)
         control_ops = t._ops(dist.irecv, [self.control], src, 2 * stream)
         self.buffers: list[torch.Tensor] = []
+        self.result: Payload | None = None
+        self.control_work: dist.Work | None = None
+        if expect is not None:
+            self.buffers = [t._take(m) for m in expect[1]]
+            self.data_works = t._post(t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
+            return
         if t.speculate and self.channel.stable:
             assert self.channel.layout is not None
             self.buffers = [t._take(m) for m in self.channel.layout[1]]
             works = t._post(control_ops + t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
         else:
             works = t._post(control_ops)
-        self.control_work, self.data_works = works[0], works[1:]
-        self.result: Payload | None = None
+        self.control_work = works[0]
+        self.data_works = works[1:]
 
     def wait(self) -> Payload:
         """The payload; blocks up to the transport's timeout per wait."""
         if self.result is not None:
             return self.result
         t, src, stream, what, channel = self.transport, self.src, self.stream, self.what, self.channel
+        if self.expect is not None:
+            try:
+                t._wait_all(self.data_works, src, what)
+            finally:
+                t._receiving.discard((src, stream))
+            for b, m in zip(self.buffers, self.expect[1], strict=True):
+                b.requires_grad_(m.requires_grad)
+            self.result = tuple(self.buffers) if self.expect[0] else self.buffers[0]
+            return self.result
+        assert self.control_work is not None
         try:
             t._wait_all([self.control_work], src, f"{what} (control word)")
             words = int(self.control.item())

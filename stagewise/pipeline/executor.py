@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from stagewise.comm import Payload, Receiving, Transport, as_tensors
+from stagewise.comm import Payload, PayloadLayout, Receiving, TensorMeta, Transport, as_tensors
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event
 from stagewise.pipeline.microbatch import Microbatches
@@ -29,6 +29,17 @@ def grad_tensors(payload: object) -> list[torch.Tensor]:
         return [payload] if payload.requires_grad else []
     tensors, _ = as_tensors(payload)
     return [t for t in tensors if t.requires_grad]
+
+
+def gradient_layout(output: object) -> PayloadLayout:
+    """The layout of the gradients a stage gets back for ``output``: one per tensor that carries a gradient.
+
+    With none, the next stage answers with an empty tensor (see ``_backward``).
+    """
+    tensors = grad_tensors(output)
+    if not tensors:
+        return (False, (TensorMeta(torch.float32, (0,), False),))
+    return (len(tensors) > 1, tuple(TensorMeta(t.dtype, tuple(t.shape), False) for t in tensors))
 
 
 def handed_over(payload: Payload) -> Payload:
@@ -122,6 +133,7 @@ class Executor:
             self.peers[self.schedule.rank_of(stage)],
             what=f"the {thing} of micro-batch {mb} from {action}",
             stream=stream,
+            known=stream == GRADIENTS,  # the receiver knows: it sent the activation these gradients are for
         )
 
     def run(
@@ -177,6 +189,12 @@ class _Run:
             action = self.actions[self.cursor]
             source = self.x._source(action)
             if source is not None:
+                expect = None
+                if action.kind.is_backward:
+                    slot = self.slots.get((action.stage, action.microbatch))
+                    if slot is None:  # its forward has not run yet, so its gradient's layout is unknown
+                        return
+                    expect = gradient_layout(slot.output)
                 if source in self.busy:
                     return
                 self.busy.add(source)
@@ -185,6 +203,7 @@ class _Run:
                     self.x.peers[source[0]],
                     what=f"the {thing} of micro-batch {action.microbatch} for {action} (stage {action.stage})",
                     stream=source[1],
+                    expect=expect,
                 )
             self.cursor += 1
 
@@ -284,6 +303,7 @@ class _Run:
         if s > 0:
             # Always answer, so the previous stage never waits in vain; an empty tensor means "no gradient".
             answer = _pack(input_grads) if input_grads else torch.zeros(0, device=x.transport.device)
+            # (an empty tensor has no bytes: nothing travels, and the receiver expects exactly that)
             if x.schedule.rank_of(s - 1) == x.position:
                 self.handoff[(s - 1, mb)] = answer
             else:
