@@ -6,7 +6,10 @@ ops, reused receive buffers) is compared with dist.send/dist.recv of the same
 tensors into preallocated buffers. The two are timed in alternating blocks in
 the same processes; ``ratio`` is the median over blocks of ours / raw of
 adjacent blocks, which cancels most of the drift of a shared machine. One
-JSON line per size:
+JSON line per size. ``pipeline_*`` is the round trip as the pipeline makes it:
+the activation with its metadata protocol, the gradient back without
+metadata (the receiver knows its layout).
+
 
     python benchmarks/p2p_bench.py [--repeats 30] [--sizes-kib 64,256,1024,4096,16384,65536]
 """
@@ -22,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from stagewise.comm import Transport, init_mesh, launch
+from stagewise.comm import TensorMeta, Transport, init_mesh, launch
 
 
 def _raw_round_trip(t: torch.Tensor, buf: torch.Tensor, rank: int) -> None:
@@ -47,6 +50,21 @@ def _ours_round_trip(transport: Transport, t: torch.Tensor, rank: int) -> None:
     transport.wait_sends()
 
 
+def _pipeline_round_trip(transport: Transport, t: torch.Tensor, rank: int) -> None:
+    """As the pipeline does it: the activation with its metadata protocol, the gradient with a known layout."""
+    layout = (False, (TensorMeta(t.dtype, tuple(t.shape), False),))
+    if rank == 0:
+        transport.send(t, 1, what="activation", stream=2)
+        back = transport.irecv(1, what="gradient", stream=3, expect=layout).wait()
+        transport.release(back)
+    else:
+        got = transport.recv(0, what="activation", stream=2)
+        transport.send(got, 0, what="gradient", stream=3, known=True)
+        transport.wait_sends()
+        transport.release(got)
+    transport.wait_sends()
+
+
 def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, float]]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=120)
@@ -58,14 +76,18 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
         buf = torch.empty_like(t)
         raw: list[float] = []
         ours: list[float] = []
+        piped: list[float] = []
         ratios: list[float] = []
+        piped_ratios: list[float] = []
         for _ in range(3):  # warm-up both paths
             _raw_round_trip(t, buf, rank)
             _ours_round_trip(transport, t, rank)
+            _pipeline_round_trip(transport, t, rank)
         for _ in range(repeats):
             for fn, out in (
                 (functools.partial(_raw_round_trip, t, buf, rank), raw),
                 (functools.partial(_ours_round_trip, transport, t, rank), ours),
+                (functools.partial(_pipeline_round_trip, transport, t, rank), piped),
             ):
                 dist.barrier()
                 start = time.perf_counter()
@@ -73,12 +95,15 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
                     fn()
                 out.append((time.perf_counter() - start) / block)
             ratios.append(ours[-1] / raw[-1])
+            piped_ratios.append(piped[-1] / raw[-1])
         rows.append(
             {
                 "bytes": kib * 1024,
                 "raw_ms": statistics.median(raw) * 1e3,
                 "stagewise_ms": statistics.median(ours) * 1e3,
                 "paired_ratio": statistics.median(ratios),
+                "pipeline_ms": statistics.median(piped) * 1e3,
+                "pipeline_ratio": statistics.median(piped_ratios),
             }
         )
     dist.destroy_process_group()
@@ -104,6 +129,8 @@ def main() -> None:
                     "stagewise_ms": round(row["stagewise_ms"], 4),
                     "ratio": round(ratio, 3),
                     "overhead_pct": round(100 * (ratio - 1), 1),
+                    "pipeline_ms": round(row["pipeline_ms"], 4),
+                    "pipeline_ratio": round(row["pipeline_ratio"], 3),
                 }
             ),
             flush=True,
