@@ -11,11 +11,12 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from typing_extensions import Unpack
 
 T = TypeVar("T")
 
@@ -98,20 +99,30 @@ def _failures(err: ChildFailedError, log_dir: Path) -> list[RankFailure]:
     return found
 
 
-def launch(
-    fn: Callable[..., T],
-    nprocs: int,
-    *args: Any,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    is_host: bool | None = None,
-    run_id: str | None = None,
-    max_restarts: int = 0,
-    monitor_interval: float = 0.1,
-    device: Literal["cpu", "auto"] = "cpu",
-    threads: int | None = 1,
-    env: Mapping[str, str] | None = None,
-) -> dict[int, T]:
+class LaunchOptions(TypedDict, total=False):
+    """How :func:`launch` and :func:`launch_module` start the processes; every key is optional."""
+
+    nnodes: int
+    """Nodes in the job (default 1); every node launches with the same value."""
+    rdzv_endpoint: str
+    """``HOST:PORT`` of the c10d rendezvous; default 127.0.0.1 on a free port (one node only)."""
+    is_host: bool
+    """True on the node that hosts the rendezvous store when several nodes share an endpoint."""
+    run_id: str
+    """The job's id; by default derived from the endpoint for several nodes, random for one."""
+    max_restarts: int
+    """Times the agent restarts the whole group after a failure (default 0)."""
+    monitor_interval: float
+    """Seconds between the agent's checks of its processes (default 0.1)."""
+    device: Literal["cpu", "auto"]
+    """"cpu" (default) hides GPUs from the processes so they use gloo; "auto" leaves them visible."""
+    threads: int | None
+    """OMP_NUM_THREADS of the processes (default 1); None leaves it alone."""
+    env: Mapping[str, str]
+    """More environment variables for the processes."""
+
+
+def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[LaunchOptions]) -> dict[int, T]:
     """Run ``fn(*args)`` on ``nprocs`` local processes and return each global rank's result.
 
     The processes are started and watched by torchrun's elastic agent, which
@@ -119,92 +130,44 @@ def launch(
     :func:`stagewise.comm.init_mesh`) and rendezvouses over c10d. By default
     the rendezvous listens on 127.0.0.1 on a free port; for several nodes,
     give every node the same ``rdzv_endpoint`` and ``nnodes``, and
-    ``is_host=True`` on the node that should host the rendezvous store.
-    ``device="cpu"`` hides GPUs from the processes so they use gloo;
-    ``threads`` sets their OMP_NUM_THREADS. ``fn`` must be importable by the
-    spawned processes (defined at the top level of a module).
+    ``is_host=True`` on the node that should host the rendezvous store (see
+    :class:`LaunchOptions`). ``fn`` must be importable by the spawned
+    processes (defined at the top level of a module).
 
     When a rank fails, the agent stops the others and this raises
     :class:`LaunchError` with the failing rank's traceback; with
     ``max_restarts`` the agent first restarts the whole group that many times.
     """
-    return _run(
-        fn,
-        args,
-        nprocs=nprocs,
-        nnodes=nnodes,
-        rdzv_endpoint=rdzv_endpoint,
-        is_host=is_host,
-        run_id=run_id,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        device=device,
-        threads=threads,
-        env=env,
-    )
+    return _run(fn, args, nprocs, options)
 
 
-def launch_module(
-    module: str,
-    argv: Sequence[str],
-    nprocs: int,
-    *,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    is_host: bool | None = None,
-    run_id: str | None = None,
-    max_restarts: int = 0,
-    monitor_interval: float = 0.1,
-    device: Literal["cpu", "auto"] = "cpu",
-    threads: int | None = 1,
-    env: Mapping[str, str] | None = None,
-) -> None:
+def launch_module(module: str, argv: Sequence[str], nprocs: int, **options: Unpack[LaunchOptions]) -> None:
     """Run ``python -m module *argv`` on ``nprocs`` local processes, as :func:`launch` runs a function."""
-    _run(
-        sys.executable,
-        ("-u", "-m", module, *argv),
-        nprocs=nprocs,
-        nnodes=nnodes,
-        rdzv_endpoint=rdzv_endpoint,
-        is_host=is_host,
-        run_id=run_id,
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        device=device,
-        threads=threads,
-        env=env,
-    )
+    _run(sys.executable, ("-u", "-m", module, *argv), nprocs, options)
 
 
 def _run(
-    entrypoint: Callable[..., Any] | str,
-    args: Sequence[Any],
-    *,
-    nprocs: int,
-    nnodes: int,
-    rdzv_endpoint: str | None,
-    is_host: bool | None,
-    run_id: str | None,
-    max_restarts: int,
-    monitor_interval: float,
-    device: str,
-    threads: int | None,
-    env: Mapping[str, str] | None,
+    entrypoint: Callable[..., Any] | str, args: Sequence[Any], nprocs: int, options: LaunchOptions
 ) -> dict[int, Any]:
+    nnodes = options.get("nnodes", 1)
+    max_restarts = options.get("max_restarts", 0)
+    device = options.get("device", "cpu")
+    threads = options.get("threads", 1)
+    is_host = options.get("is_host")
     for name, value, least in (("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if device not in ("cpu", "auto"):
         raise ValueError(f"device must be 'cpu' or 'auto', got {device!r}")
-    if nnodes > 1 and rdzv_endpoint is None:
+    if nnodes > 1 and "rdzv_endpoint" not in options:
         raise ValueError(
             f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
             "(the host of the node with is_host=True)"
         )
-    endpoint = rdzv_endpoint or f"{LOOPBACK}:{free_port()}"
+    endpoint = options.get("rdzv_endpoint") or f"{LOOPBACK}:{free_port()}"
     host = endpoint.rsplit(":", 1)[0]
     rdzv_configs: dict[str, Any] = {} if is_host is None else {"is_host": is_host}
-    children: dict[str, str] = dict(env or {})
+    children: dict[str, str] = dict(options.get("env", {}))
     if device == "cpu":
         children["CUDA_VISIBLE_DEVICES"] = ""
     if threads is not None:
@@ -214,12 +177,13 @@ def _run(
             min_nodes=nnodes,
             max_nodes=nnodes,
             nproc_per_node=nprocs,
-            run_id=run_id or (f"stagewise-{endpoint}" if nnodes > 1 else f"stagewise-{uuid.uuid4().hex[:12]}"),
+            run_id=options.get("run_id")
+            or (f"stagewise-{endpoint}" if nnodes > 1 else f"stagewise-{uuid.uuid4().hex[:12]}"),
             rdzv_backend="c10d",
             rdzv_endpoint=endpoint,
             rdzv_configs=rdzv_configs,
             max_restarts=max_restarts,
-            monitor_interval=monitor_interval,
+            monitor_interval=options.get("monitor_interval", 0.1),
             start_method="spawn",
             local_addr=host if host in (LOOPBACK, "localhost") else None,
             logs_specs=DefaultLogsSpecs(log_dir=logs, tee=Std.ALL),
