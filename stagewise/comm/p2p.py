@@ -171,10 +171,7 @@ class Transport:
         tensors, is_tuple = as_tensors(payload)
         if known:
             data = [t.detach().to(self.device).contiguous() for t in tensors]
-            pending = Pending(self._post(self._ops(dist.isend, data, to, 2 * stream + 1)), self.rank, to, what,
-                              self.timeout, data)  # fmt: skip
-            self._in_flight.append(pending)
-            return pending
+            return self._start(self._ops(dist.isend, data, to, 2 * stream + 1), to, what, data)
         layout: PayloadLayout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
         channel = self._sent.setdefault((to, stream), _Channel())
         data = [t.detach().to(self.device).contiguous() for t in tensors]
@@ -190,7 +187,10 @@ class Transport:
         ops = self._ops(dist.isend, control, to, 2 * stream) + self._ops(dist.isend, data, to, 2 * stream + 1)
         channel.stable = channel.layout == layout
         channel.layout = layout
-        pending = Pending(self._post(ops), self.rank, to, what, self.timeout, control + data)
+        return self._start(ops, to, what, control + data)
+
+    def _start(self, ops: list[dist.P2POp], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
+        pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep)
         self._in_flight.append(pending)
         return pending
 

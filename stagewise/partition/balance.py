@@ -93,13 +93,7 @@ def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str]
             overflow=need - cap,
         )
     # The split that uses the smallest worst fraction of each device's memory.
-    fraction = RangeCost.of_layers(
-        np.asarray(model.fixed, dtype=np.float64),
-        k,
-        y=np.asarray(model.activation, dtype=np.float64),
-        scale=np.asarray(model.in_flight, dtype=np.float64),
-        divisor=caps,
-    )
+    fraction = dataclasses.replace(mem, divisor=caps)
     best_fit = solve(SplitProblem(k, fraction))
     assert best_fit is not None
     b = best_fit.bounds

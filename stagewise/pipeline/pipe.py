@@ -15,7 +15,7 @@ from stagewise.comm import Payload, PipelineMesh, Transport, init_mesh
 from stagewise.partition import Partition, layers_of
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
-from stagewise.pipeline.microbatch import LossReduction, concat, split
+from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
 from stagewise.pipeline.render import to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.stage import StageModule, materialise
@@ -181,6 +181,14 @@ class Pipeline:
             return payload.to(self.device)
         return tuple(t.to(self.device) for t in payload)
 
+    def _split_inputs(self, inputs: Payload | None) -> Microbatches | None:
+        """The micro-batches of ``inputs`` on the rank of stage 0; None elsewhere."""
+        if not self.is_first:
+            return None
+        if inputs is None:
+            raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
+        return split(self._to_device(inputs), self.n_microbatches, what="inputs")
+
     def step(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
         """One training step's forward and backward over the global batch; returns the loss on every rank.
 
@@ -188,9 +196,7 @@ class Pipeline:
         rank of the last stage; other ranks may pass them or None.
         """
         m = self.n_microbatches
-        ins = split(self._to_device(inputs), m, what="inputs") if self.is_first and inputs is not None else None
-        if self.is_first and ins is None:
-            raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
+        ins = self._split_inputs(inputs)
         tgs = None
         if self.is_last:
             if targets is None:
@@ -212,9 +218,7 @@ class Pipeline:
     def predict(self, inputs: Payload | None) -> Payload | None:
         """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere."""
         m = self.n_microbatches
-        ins = split(self._to_device(inputs), m, what="inputs") if self.is_first and inputs is not None else None
-        if self.is_first and ins is None:
-            raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
+        ins = self._split_inputs(inputs)
         forward = [Action(s, Kind.F, mb) for mb in range(m) for s in sorted(self.stages)]
         with torch.no_grad():
             result = self.executor.run(forward, ins, None, None, training=False)
