@@ -20,6 +20,13 @@ Backend = Literal["gloo", "nccl"]
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+def _check_dim(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 @dataclass(frozen=True)
 class Coords:
     """Where a rank sits: which pipeline stage it runs and which data-parallel replica it belongs to."""
@@ -38,11 +45,8 @@ class Layout:
     """Data-parallel replicas of each stage."""
 
     def __post_init__(self) -> None:
-        for name, value in (("pp", self.pp), ("dp", self.dp)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        _check_dim("pp", self.pp)
+        _check_dim("dp", self.dp)
 
     @property
     def world_size(self) -> int:
@@ -149,9 +153,27 @@ def choose_backend(local_world_size: int) -> Backend:
     return "gloo"
 
 
+def _fill(pp: int | None, dp: int | None, world: int) -> Layout:
+    """The layout for ``world`` processes, a ``None`` dimension being the world size over the other."""
+    if pp is None and dp is None:
+        return Layout(world, 1)
+    if pp is not None and dp is not None:
+        return Layout(pp, dp)
+    name, other, given = ("pp", "dp", pp) if dp is None else ("dp", "pp", dp)
+    assert given is not None
+    _check_dim(name, given)
+    if world % given:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"{name}={given} does not divide the world size {world}, so no {other} fits; "
+            f"choose {name} among {divisors}, or launch a multiple of {given} processes"
+        )
+    return Layout(given, world // given) if name == "pp" else Layout(world // given, given)
+
+
 def init_mesh(
-    pp: int,
-    dp: int = 1,
+    pp: int | None = None,
+    dp: int | None = 1,
     *,
     backend: Backend | None = None,
     timeout: float | timedelta = 300.0,
@@ -163,12 +185,13 @@ def init_mesh(
     picks NCCL when CUDA has a GPU for each local rank (and makes
     ``cuda:LOCAL_RANK`` this process's device), gloo otherwise; and returns
     the ("pp", "dp") DeviceMesh, pipeline outermost as in torchtitan, so rank
-    ``r`` runs stage ``r // dp`` of replica ``r % dp``.
+    ``r`` runs stage ``r // dp`` of replica ``r % dp``. Either of ``pp`` and
+    ``dp`` may be None: it is then the world size divided by the other
+    (``init_mesh()`` alone is one pipeline over all processes).
 
     Raises:
         ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
     """
-    layout = Layout(pp, dp)
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if wait.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {wait.total_seconds()} s")
@@ -183,6 +206,8 @@ def init_mesh(
                 "or stagewise.comm.launch"
             )
         world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    layout = _fill(pp, dp, world)
+    pp, dp = layout.pp, layout.dp
     if layout.world_size != world:
         raise ValueError(
             f"pp={pp} x dp={dp} = {layout.world_size} processes, but the world size is {world}; "

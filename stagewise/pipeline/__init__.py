@@ -1,9 +1,12 @@
-"""Pipeline schedules as validated data, their simulator and pictures, and the Pipeline that runs them."""
+"""Pipeline schedules as validated data, their simulator and pictures, the Pipeline that runs them, and its data."""
 
 from stagewise.pipeline import schedules
 from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.clip import clip_grad_norm_
+from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
 from stagewise.pipeline.executor import LossFn
+from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.microbatch import LossReduction
 from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.render import render, to_chrome_trace
@@ -15,6 +18,8 @@ from stagewise.pipeline.validate import ScheduleReport, peak_in_flight, validate
 
 __all__ = [
     "Action",
+    "Batch",
+    "DataParallel",
     "Event",
     "Kind",
     "LossFn",
@@ -27,7 +32,9 @@ __all__ = [
     "SimulationResult",
     "Span",
     "StageCosts",
+    "StageLoader",
     "build",
+    "clip_grad_norm_",
     "materialise_model",
     "peak_in_flight",
     "render",

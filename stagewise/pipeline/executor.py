@@ -12,6 +12,7 @@ from torch import nn
 from stagewise.comm import Payload, PayloadLayout, Receiving, TensorMeta, Transport, as_tensors
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event
+from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
 from stagewise.pipeline.stage import StageModule
 from stagewise.pipeline.trace import Span
@@ -104,6 +105,8 @@ class Executor:
         peers: Sequence[int],
         *,
         lookahead: int = 2,
+        replicas: Replicas | None = None,
+        grad_scale: float = 1.0,
     ) -> None:
         self.schedule = schedule
         self.position = position
@@ -114,6 +117,10 @@ class Executor:
         """Global rank of each pipeline position."""
         self.lookahead = lookahead
         self.last = schedule.n_stages - 1
+        self.replicas = replicas
+        """Data-parallel replicas of the stages, synchronised after each stage's last backward of a step."""
+        self.grad_scale = grad_scale
+        """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -179,6 +186,8 @@ class _Run:
         self.spans: list[Span] = []
         self.outputs: list[Payload] = []
         self.total: torch.Tensor | None = None
+        self.sync = sync_points(actions) if training and executor.replicas is not None else set()
+        """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
 
     def _now(self) -> float:
         return time.perf_counter() - self.start
@@ -224,9 +233,9 @@ class _Run:
         if action.kind is Kind.F:
             self._forward(action, incoming)
         elif action.kind.is_backward:
-            self._backward(action, incoming)
+            self._backward(action, incoming, sync=i in self.sync)
         else:
-            self._weights(action)
+            self._weights(action, sync=i in self.sync)
         self.events.append(Event(self.x.position, action, began, self._now()))
 
     def _forward(self, action: Action, incoming: Payload | None) -> None:
@@ -269,7 +278,12 @@ class _Run:
         value = slot.loss.detach()
         self.total = value if self.total is None else self.total + value
 
-    def _backward(self, action: Action, incoming: Payload | None) -> None:
+    def _arm(self, stage: int, outputs: list[torch.Tensor]) -> None:
+        """Make the coming backward into ``stage``'s parameters all-reduce them over the replicas."""
+        assert self.x.replicas is not None
+        self.x.replicas.prepare(stage, outputs)
+
+    def _backward(self, action: Action, incoming: Payload | None, *, sync: bool = False) -> None:
         s, mb, x = action.stage, action.microbatch, self.x
         slot = self.slots[(s, mb)]
         roots: list[torch.Tensor]
@@ -277,7 +291,8 @@ class _Run:
         if s == x.last:
             assert slot.loss is not None
             roots = [slot.loss] if slot.loss.requires_grad else []  # no gradient: nothing trainable feeds it
-            root_grads = [None] * len(roots)
+            scale = x.grad_scale
+            root_grads = [None if scale == 1 else torch.full_like(r, scale) for r in roots]
         else:
             grads = incoming if incoming is not None else self.handoff.pop((s, mb))
             if incoming is not None:
@@ -290,6 +305,8 @@ class _Run:
             input_grads = [torch.zeros_like(t) for t in wanted]
             slot.owner_grads = [[None] * len(group) for group in per_owner]
         elif action.kind is Kind.B:
+            if sync:
+                self._arm(s, roots)
             torch.autograd.backward(roots, root_grads)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
         else:
@@ -311,12 +328,15 @@ class _Run:
         if action.kind is Kind.B:
             self._done(self.slots.pop((s, mb)))
 
-    def _weights(self, action: Action) -> None:
+    def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
         for (module, out), grads in zip(slot.owners, slot.owner_grads, strict=True):
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
             pairs = [(t, g) for t, g in zip(grad_tensors(out), grads, strict=True) if g is not None]
             if params and pairs:
+                if sync:  # before the first of this action's backwards: they all complete the stage's gradients
+                    self._arm(action.stage, [t for _, o in slot.owners for t in grad_tensors(o)])
+                    sync = False
                 # Only this module's own parameters: autograd stops where they are reached, so no
                 # activation gradient is recomputed beyond the module and nothing is counted twice.
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)

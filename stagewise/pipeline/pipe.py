@@ -14,7 +14,9 @@ from torch import nn
 from stagewise.comm import Payload, PipelineMesh, Transport, init_mesh
 from stagewise.partition import Partition, layers_of
 from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
+from stagewise.pipeline.hybrid import DataParallel, Replicas, combine_losses
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
 from stagewise.pipeline.render import to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
@@ -43,6 +45,15 @@ class Pipeline:
     default of torch's losses) each micro-batch's loss is weighted by its
     share of the batch, ``size / batch``; with ``"sum"`` the losses are added.
 
+    With a mesh of ``dp > 1`` the model is trained by ``dp`` pipelines at
+    once, each on its own batch (``step`` takes this replica's share of the
+    global batch), and each stage's replicas are wrapped in torch's
+    DistributedDataParallel over their data-parallel group: gradients are
+    all-reduced once per step, during the backward that completes them, and
+    the result equals one process on the concatenated global batch. For a
+    mean loss every replica's batch must have the same size (see
+    :class:`stagewise.pipeline.StageLoader`).
+
     Args:
         model: a chain (see :func:`stagewise.partition.layers_of`), on the meta device or with real weights.
         partition: the split into stages; ``partition.n_stages`` must be ``n_ranks * n_virtual``.
@@ -57,6 +68,7 @@ class Pipeline:
         loss_reduction: how ``loss_fn`` reduces over a batch: "mean" or "sum".
         timeout: bound on every wait for another rank, in seconds.
         trace: write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added).
+        data_parallel: DDP's options for the replicas of each stage when the mesh has ``dp > 1``.
     """
 
     def __init__(
@@ -75,6 +87,7 @@ class Pipeline:
         loss_reduction: LossReduction = "mean",
         timeout: float = 300.0,
         trace: str | Path | None = None,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
@@ -104,14 +117,14 @@ class Pipeline:
                 "every layer's forward a second time; choose one"
             )
         self.schedule = plan
-        self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, timeout=timeout)
+        self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=timeout)
         if self.mesh.layout.pp != plan.n_ranks:
             raise ValueError(
                 f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
                 f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
             )
-        if self.mesh.layout.dp != 1:
-            raise ValueError(f"this Pipeline runs one replica (dp=1); the mesh has dp={self.mesh.layout.dp}")
+        if data_parallel is not None and not isinstance(data_parallel, DataParallel):
+            raise TypeError(f"data_parallel must be a stagewise DataParallel, got {type(data_parallel).__name__}")
         self.device = torch.device(device) if device is not None else self.mesh.device
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
@@ -126,7 +139,20 @@ class Pipeline:
             self.stages[s] = StageModule(s, b[s], mine, checkpointing=activation_checkpointing)
         peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
         self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout))
-        self.executor = Executor(plan, self.position, self.stages, self.transport, peers)
+        dp = self.mesh.layout.dp
+        self.replicas = None
+        if dp > 1:
+            config = data_parallel if data_parallel is not None else DataParallel()
+            self.replicas = Replicas(self.stages, group=self.mesh.dp_group, device=self.device, config=config)
+        self.executor = Executor(
+            plan,
+            self.position,
+            self.stages,
+            self.transport,
+            peers,
+            replicas=self.replicas,
+            grad_scale=float(dp) if loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
+        )
         self.trace = None if trace is None else Path(trace)
         self.last_result: StepResult | None = None
         log.info(
@@ -193,7 +219,9 @@ class Pipeline:
         """One training step's forward and backward over the global batch; returns the loss on every rank.
 
         ``inputs`` are needed on the rank of stage 0 and ``targets`` on the
-        rank of the last stage; other ranks may pass them or None.
+        rank of the last stage; other ranks may pass them or None. With
+        ``dp > 1`` they are this replica's share of the global batch, and the
+        loss returned is the global batch's.
         """
         m = self.n_microbatches
         ins = self._split_inputs(inputs)
@@ -210,10 +238,35 @@ class Pipeline:
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
         self._record(result)
         loss = result.loss if result.loss is not None else torch.zeros((), device=self.device)
-        loss = loss.detach().to(self.device, torch.float32).clone()
+        loss = loss.detach().to(self.device, torch.float32)
+        smallest = largest = 0
+        if tgs is not None and self.replicas is not None:
+            whole = combine_losses(loss, sum(tgs.sizes), group=self.mesh.dp_group, mean=self.loss_reduction == "mean")
+            loss, smallest, largest = whole.loss, whole.smallest, whole.largest
+        packet = torch.tensor([float(loss), smallest, largest], dtype=torch.float64, device=self.device)
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
-        dist.broadcast(loss, src=last, group=self.mesh.pp_group)
-        return loss
+        dist.broadcast(packet, src=last, group=self.mesh.pp_group)
+        smallest, largest = int(packet[1]), int(packet[2])
+        if self.loss_reduction == "mean" and smallest != largest:
+            raise ValueError(
+                f"the replicas' batches differ in size ({smallest} to {largest} samples), but DDP averages their "
+                "gradients with equal weights, so this step's gradients are not the global batch's mean; give "
+                "every replica the same number of samples (stagewise.pipeline.StageLoader does)"
+            )
+        return packet[0].to(torch.float32)
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the whole model by its total norm, as ``torch.nn.utils.clip_grad_norm_`` would.
+
+        The norm is that of every gradient on every stage (each stage's
+        replicas hold the same, already averaged, gradients), all-reduced
+        over the pipeline group; every rank returns it and scales its own
+        gradients by ``max_norm / norm`` when the norm is larger.
+        """
+        mine, group, strict = list(self.parameters()), self.mesh.pp_group, error_if_nonfinite
+        return clip_grad_norm_(mine, max_norm, norm_type, group=group, error_if_nonfinite=strict)
 
     def predict(self, inputs: Payload | None) -> Payload | None:
         """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere."""

@@ -90,3 +90,33 @@ def test_wrong_world_size_is_refused() -> None:
     with pytest.raises(LaunchError) as info:
         run_ranks(mesh_of_rank, 3, 2, 2)
     assert "pp=2 x dp=2 = 4 processes, but the world size is 3" in info.value.failures[0].message
+
+
+@pytest.mark.parametrize(
+    ("pp", "dp", "pattern"),
+    [
+        (None, 3, r"dp=3 does not divide the world size 4, so no pp fits; choose dp among \[1, 2, 4\]"),
+        (3, None, r"pp=3 does not divide the world size 4, so no dp fits; choose pp among \[1, 2, 4\]"),
+        (None, 0, r"dp must be >= 1, got 0"),
+        (2, 3, r"pp=2 x dp=3 = 6 processes, but the world size is 4"),
+    ],
+)
+def test_a_dimension_that_does_not_fit_the_world_is_refused(
+    monkeypatch: pytest.MonkeyPatch, pp: int | None, dp: int | None, pattern: str
+) -> None:
+    # The layout is checked against WORLD_SIZE before any process group is created.
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=pattern):
+        init_mesh(pp, dp)
+    assert not dist.is_initialized()
+
+
+def inferred_layout(pp: int | None, dp: int | None) -> tuple[int, int]:
+    mesh = init_mesh(pp, dp, timeout=30)
+    dist.destroy_process_group()
+    return mesh.layout.pp, mesh.layout.dp
+
+
+def test_a_missing_dimension_is_inferred_from_the_world_size() -> None:
+    assert run_ranks(inferred_layout, 4, None, 2) == dict.fromkeys(range(4), (2, 2))

@@ -1,0 +1,53 @@
+"""Gradient clipping by the norm of the whole model's gradients, spread over the ranks of a pipeline."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+
+def clip_grad_norm_(
+    parameters: list[nn.Parameter],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    group: dist.ProcessGroup,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip ``parameters``' gradients by the total norm of all gradients held across ``group``; returns that norm.
+
+    Each rank passes its own parameters, which no other rank in ``group``
+    holds. The local norms are combined with one all-reduce (a sum of
+    ``norm ** p``, or a max for the infinity norm), so every rank gets the
+    same total and scales its gradients by ``max_norm / total`` when the total
+    is larger: the result of ``torch.nn.utils.clip_grad_norm_`` on the
+    unsplit model.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    p = float(norm_type)
+    if not (p > 0 or math.isinf(p)):
+        raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
+    grads = [q.grad for q in parameters if q.grad is not None]
+    device = grads[0].device if grads else next((q.device for q in parameters), torch.device("cpu"))
+    local = (get_total_norm(grads, p) if grads else torch.zeros(())).to(device, torch.float64)
+    if math.isinf(p):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        total = local
+    else:
+        power = local**p
+        dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)
+        total = power ** (1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is {float(total)}, so they cannot be clipped; "
+            "set error_if_nonfinite=False to clip anyway"
+        )
+    with_grads = [q for q in parameters if q.grad is not None]
+    if with_grads:
+        clip_grads_with_norm_(with_grads, max_norm, total.to(torch.float32))
+    return total.to(torch.float32)

@@ -1,0 +1,160 @@
+"""Each rank's batches: a DistributedSampler over the replicas, inputs on the first stage, targets on the last."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+
+from stagewise.comm import Payload
+
+if TYPE_CHECKING:
+    from stagewise.pipeline.pipe import Pipeline
+
+Field = Literal["inputs", "targets"]
+"""What a rank loads of each sample: the first stage needs inputs, the last targets."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's data for this rank: None for what it does not need."""
+
+    inputs: Payload | None
+    targets: Payload | None
+
+
+class _Fields(Dataset[tuple[Any, ...]]):
+    """A view of a dataset of (inputs, targets) samples that keeps only the fields one rank needs."""
+
+    def __init__(self, dataset: Dataset[Any], fields: Sequence[Field]) -> None:
+        self.dataset = dataset
+        self.columns = [0 if f == "inputs" else 1 for f in fields]
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        sample = self.dataset[index]
+        if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+            raise TypeError(
+                f"sample {index} of the dataset is a {type(sample).__name__}, not an (inputs, targets) pair; "
+                "make the dataset return (inputs, targets)"
+            )
+        return tuple(sample[c] for c in self.columns)
+
+
+def _collate(samples: list[tuple[Any, ...]]) -> tuple[Payload, ...]:
+    columns = default_collate(samples)
+    return tuple(tuple(c) if isinstance(c, list) else c for c in columns)
+
+
+class StageLoader:
+    """The batches one rank of a pipeline x data-parallel job needs, step by step.
+
+    Replica ``r`` of ``dp`` draws its samples with a :class:`DistributedSampler`
+    (shard ``r``, the same seed everywhere, reshuffled per epoch by
+    :meth:`set_epoch`), so the replicas' shards are disjoint and the first and
+    the last stage of one replica see the same samples in the same order. The
+    first stage loads only each sample's inputs and the last only its targets;
+    a rank in the middle loads nothing and yields ``Batch(None, None)`` as many
+    times. Every batch has exactly ``global_batch_size / dp`` samples (the
+    remainder of an epoch is dropped), so the replicas' losses weigh equally.
+
+    Args:
+        dataset: a map-style dataset whose samples are ``(inputs, targets)``.
+        global_batch_size: samples per step over all replicas.
+        dp: data-parallel replicas; ``replica``: this rank's.
+        first: this rank holds the first stage; ``last``: the last stage.
+        n_microbatches: micro-batches per step; each replica's batch must hold at least this many samples.
+        shuffle: reshuffle each epoch (deterministically from ``seed`` and the epoch).
+        num_workers: DataLoader worker processes per loading rank.
+        pin_memory: page-locked batches for faster copies to a GPU; by default when CUDA is available.
+        collate_fn: how samples become a batch; by default torch's, tuples kept as tuples.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        global_batch_size: int,
+        dp: int,
+        replica: int,
+        first: bool,
+        last: bool,
+        n_microbatches: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        pin_memory: bool | None = None,
+        collate_fn: Callable[[list[tuple[Any, ...]]], tuple[Payload, ...]] | None = None,
+    ) -> None:
+        if global_batch_size % dp:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is not divisible by dp={dp}; "
+                f"use a multiple of {dp}, such as {dp * max(1, round(global_batch_size / dp))}"
+            )
+        local = global_batch_size // dp
+        if local < n_microbatches:
+            raise ValueError(
+                f"global_batch_size={global_batch_size} is smaller than dp={dp} x n_microbatches={n_microbatches} "
+                f"= {dp * n_microbatches}: each replica needs at least one sample per micro-batch; "
+                f"use a global batch of at least {dp * n_microbatches} or fewer micro-batches"
+            )
+        self.local_batch_size = local
+        self.sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=dp, rank=replica, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.steps_per_epoch = len(self.sampler) // local
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset's {len(dataset)} samples give each of dp={dp} replicas "  # type: ignore[arg-type]
+                f"{len(self.sampler)}, fewer than one batch of {local}; use a larger dataset or a smaller batch"
+            )
+        wants: tuple[tuple[Field, bool], ...] = (("inputs", first), ("targets", last))
+        self.fields: list[Field] = [f for f, wanted in wants if wanted]
+        self.loader: DataLoader[tuple[Any, ...]] | None = None
+        if self.fields:
+            self.loader = DataLoader(
+                _Fields(dataset, self.fields),
+                batch_size=local,
+                sampler=self.sampler,
+                drop_last=True,
+                num_workers=num_workers,
+                pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
+                persistent_workers=num_workers > 0,
+                collate_fn=collate_fn or _collate,
+            )
+
+    @classmethod
+    def of(cls, pipe: Pipeline, dataset: Dataset[Any], *, global_batch_size: int, **options: Any) -> StageLoader:
+        """The loader for this rank of ``pipe``: its replica, and whether it holds the first or last stage."""
+        mesh = pipe.mesh
+        return cls(
+            dataset,
+            global_batch_size=global_batch_size,
+            dp=mesh.layout.dp,
+            replica=mesh.replica,
+            first=pipe.is_first,
+            last=pipe.is_last,
+            n_microbatches=pipe.n_microbatches,
+            **options,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch``; call it on every rank before iterating, as with DistributedSampler."""
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.loader is None:
+            for _ in range(self.steps_per_epoch):
+                yield Batch(None, None)
+            return
+        for columns in self.loader:
+            got = dict(zip(self.fields, columns, strict=True))
+            yield Batch(got.get("inputs"), got.get("targets"))

@@ -1,0 +1,134 @@
+"""Data parallelism across the replicas of each stage: torch's DistributedDataParallel, synchronised once per step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from stagewise.pipeline.actions import Action, Kind
+from stagewise.pipeline.stage import StageModule
+
+log = logging.getLogger(__name__)
+
+CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+"""A DDP communication hook: ``hook(state, bucket)`` returns a future of the reduced bucket."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How the replicas of a stage synchronise their gradients: the DistributedDataParallel options that matter.
+
+    Used by :class:`stagewise.Pipeline` when its mesh has ``dp > 1``.
+    """
+
+    bucket_cap_mb: float = 25.0
+    """Gradients are all-reduced in buckets of about this many MiB, each as soon as it is complete."""
+    gradient_as_bucket_view: bool = False
+    """Make each ``.grad`` a view into its all-reduce bucket: one copy of the gradients less in memory."""
+    find_unused_parameters: bool = False
+    """Search each stage's graph for parameters that get no gradient (needed when some are unused)."""
+    comm_hook: CommHook | None = None
+    """A DDP communication hook, e.g. ``bf16_compress_hook`` from ``torch.distributed.algorithms.ddp_comm_hooks``."""
+    comm_state: object = None
+    """The state passed to ``comm_hook``; by default the stage's data-parallel group, as torch's default hooks take."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.comm_hook is not None and not callable(self.comm_hook):
+            raise TypeError(f"comm_hook must be callable, got {type(self.comm_hook).__name__}")
+
+
+def sync_points(actions: Sequence[Action]) -> set[int]:
+    """Indices of the actions after which each stage's gradients are complete for the step.
+
+    That is each stage's last B, or its last W where the backward is split
+    (I leaves the parameters' gradients to W).
+    """
+    last: dict[int, int] = {}
+    for i, action in enumerate(actions):
+        if action.kind in (Kind.B, Kind.W):
+            last[action.stage] = i
+    return set(last.values())
+
+
+class Replicas:
+    """This rank's stages, each wrapped in DistributedDataParallel over the stage's data-parallel group.
+
+    The executor runs every forward and backward on the stage modules
+    themselves, which DDP shares, so gradients accumulate locally across
+    micro-batches. Just before the backward that completes a stage's
+    gradients for the step (see :func:`sync_points`), :meth:`prepare` arms
+    DDP's reducer, which then all-reduces the accumulated gradients bucket by
+    bucket while that backward runs, and averages them over the replicas.
+    That is once per step, not once per micro-batch. It is the mechanism
+    ``torch.distributed.pipelining`` uses for DDP too (``Reducer.prepare_for_backward``),
+    since a pipeline's forwards and backwards of different micro-batches
+    interleave and DDP's ``no_sync`` cannot express "sync on the last backward".
+
+    Buffers are not broadcast between replicas (``broadcast_buffers=False``):
+    each replica keeps its own running statistics. DDP's ``static_graph`` is
+    not offered: its first-step bookkeeping hangs on DDP's own forward, which
+    stages do not run through, so it would change nothing.
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, StageModule],
+        *,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        config: DataParallel,
+    ) -> None:
+        self.config = config
+        self.wrapped: dict[int, DistributedDataParallel] = {}
+        for s, module in stages.items():
+            if not any(p.requires_grad for p in module.parameters()):
+                continue  # nothing to synchronise; DDP refuses such modules
+            ddp = DistributedDataParallel(
+                module,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=group,
+                broadcast_buffers=False,
+                bucket_cap_mb=config.bucket_cap_mb,
+                gradient_as_bucket_view=config.gradient_as_bucket_view,
+                find_unused_parameters=config.find_unused_parameters,
+            )
+            if config.comm_hook is not None:
+                state = config.comm_state if config.comm_state is not None else group
+                ddp.register_comm_hook(state, config.comm_hook)
+            self.wrapped[s] = ddp
+        log.info("stages %s synchronise gradients with DDP over %d replicas", list(self.wrapped), group.size())
+
+    def prepare(self, stage: int, outputs: Sequence[torch.Tensor]) -> None:
+        """Arm the reducer of ``stage``: the next backward into its parameters all-reduces their gradients."""
+        ddp = self.wrapped.get(stage)
+        if ddp is None:
+            return
+        ddp.reducer.prepare_for_backward(list(outputs) if self.config.find_unused_parameters else [])
+
+
+@dataclass(frozen=True)
+class ReplicaLoss:
+    """The step's loss over all replicas, and the smallest and largest replica batch."""
+
+    loss: torch.Tensor
+    smallest: int
+    largest: int
+
+
+def combine_losses(loss: torch.Tensor, samples: int, *, group: dist.ProcessGroup, mean: bool) -> ReplicaLoss:
+    """The global batch's loss from each replica's (on the last stage): weighted by batch size for a mean loss."""
+    mine = torch.tensor([float(loss), float(samples)], dtype=torch.float64, device=loss.device)
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()
+    sizes = table[:, 1]
+    total = (table[:, 0] * sizes).sum() / sizes.sum() if mean else table[:, 0].sum()
+    return ReplicaLoss(total.to(loss.device, torch.float32), int(sizes.min()), int(sizes.max()))

@@ -1,0 +1,233 @@
+"""Pipeline x data parallel: DDP per stage equals the unsplit model on the global batch, synchronising once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from chains import Chain, mse
+from multiproc import run_ranks
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from stagewise.comm import LaunchError, init_mesh
+from stagewise.partition import Partition
+from stagewise.pipeline import DataParallel, Pipeline, StageLoader
+
+STEPS = 3
+CLIP = 0.3  # small enough to clip at every step
+
+
+@dataclass(frozen=True)
+class Case:
+    chain: Chain
+    bounds: tuple[int, ...]
+    schedule: str
+    n_virtual: int
+    n_microbatches: int
+    global_batch: int
+    clip: bool
+    reduction: str = "mean"
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output, target, reduction=self.reduction)
+
+
+class ChainData(Dataset[tuple[Any, torch.Tensor]]):
+    """Random (inputs, targets) samples for a chain, fixed by its seed."""
+
+    def __init__(self, chain: Chain, n: int) -> None:
+        g = torch.Generator().manual_seed(chain.seed)
+        self.x = torch.randn(n, chain.width, generator=g)
+        self.y = torch.randn(n, chain.width, generator=g)
+        self.ids = torch.randint(0, 10, (n,), generator=g)
+        self.with_ids = chain.with_ids
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Any, torch.Tensor]:
+        return ((self.x[i], self.ids[i]) if self.with_ids else self.x[i]), self.y[i]
+
+
+def loaders(case: Case, dp: int) -> list[StageLoader]:
+    data = ChainData(case.chain, STEPS * case.global_batch)
+    return [
+        StageLoader(data, global_batch_size=case.global_batch, dp=dp, replica=r, first=True, last=True, seed=7)
+        for r in range(dp)
+    ]
+
+
+def global_batches(case: Case, dp: int) -> list[tuple[Any, torch.Tensor]]:
+    """Each step's global batch: the replicas' batches, concatenated in replica order."""
+    per_replica = [list(one) for one in loaders(case, dp)]
+    out = []
+    for step in range(STEPS):
+        parts = [per_replica[r][step] for r in range(dp)]
+        ys = torch.cat([p.targets for p in parts])  # type: ignore[misc]
+        if case.chain.with_ids:
+            xs: Any = tuple(torch.cat([p.inputs[i] for p in parts]) for i in range(2))  # type: ignore[index]
+        else:
+            xs = torch.cat([p.inputs for p in parts])  # type: ignore[misc]
+        out.append((xs, ys))
+    return out
+
+
+def unsplit(case: Case, dp: int) -> dict[str, Any]:
+    """One process, the whole model, the global batches: the reference."""
+    model = case.chain.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, norms, grads = [], [], {}
+    for step, (x, y) in enumerate(global_batches(case, dp)):
+        opt.zero_grad()
+        loss = case.loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if case.clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+    return {"losses": losses, "norms": norms, "grads": grads, "params": dict(model.named_parameters())}
+
+
+CALLS: list[int] = []
+
+
+def counting_hook(group, bucket):  # type: ignore[no-untyped-def]  # DDP checks real (not string) annotations
+    """torch's all-reduce hook, counting each bucket it reduces."""
+    CALLS.append(bucket.index())
+    return default_hooks.allreduce_hook(group, bucket)
+
+
+def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(pp, dp, timeout=60)
+    results = []
+    for case in cases:
+        pipe = Pipeline(
+            case.chain.build(),
+            Partition.from_bounds(case.bounds),
+            schedule=case.schedule,  # type: ignore[arg-type]
+            n_microbatches=case.n_microbatches,
+            n_virtual=case.n_virtual,
+            loss_fn=case.loss,
+            loss_reduction=case.reduction,  # type: ignore[arg-type]
+            mesh=mesh,
+            timeout=30,
+            data_parallel=DataParallel(bucket_cap_mb=1000, comm_hook=counting_hook),  # one bucket per stage
+        )
+        data = ChainData(case.chain, STEPS * case.global_batch)
+        loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.05)
+        losses, norms, calls, grads = [], [], [], {}
+        for step, batch in enumerate(loader):
+            opt.zero_grad()
+            CALLS.clear()
+            losses.append(pipe.step(batch.inputs, batch.targets).item())
+            calls.append(len(CALLS))
+            if step == 0:
+                grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+            if case.clip:
+                norms.append(float(pipe.clip_grad_norm_(CLIP)))
+            opt.step()
+        stages_with_params = sum(1 for s in pipe.stages.values() if any(True for _ in s.parameters()))
+        params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        result = {"losses": losses, "norms": norms, "calls": calls, "grads": grads, "params": params}
+        results.append(result | {"synced": stages_with_params})
+    dist.destroy_process_group()
+    return results
+
+
+def check(cases: list[Case], pp: int, dp: int) -> None:
+    per_rank = run_ranks(train_hybrid, pp * dp, cases, pp, dp, timeout=240)
+    for i, case in enumerate(cases):
+        want = unsplit(case, dp)
+        for rank, results in per_rank.items():
+            got = results[i]
+            torch.testing.assert_close(got["losses"], want["losses"], atol=1e-5, rtol=1e-5, msg=f"rank {rank} {case}")
+            torch.testing.assert_close(got["norms"], want["norms"], atol=1e-5, rtol=1e-5, msg=f"rank {rank} {case}")
+            # DDP all-reduced each stage's gradients exactly once per step, whatever the micro-batch count.
+            assert got["calls"] == [got["synced"]] * STEPS, (rank, case)
+            for name, grad in got["grads"].items():
+                torch.testing.assert_close(grad, want["grads"][name], atol=1e-5, rtol=1e-5, msg=f"{name} {case}")
+            for name, param in got["params"].items():
+                torch.testing.assert_close(param, want["params"][name], atol=1e-5, rtol=1e-5, msg=f"{name} {case}")
+        held = {name for results in per_rank.values() for name in results[i]["params"]}
+        assert held == set(want["params"]), case  # together the ranks hold the whole model
+
+
+CHAIN = Chain(("linear", "residual", "norm", "gelu", "linear", "residual"), with_ids=True, seed=11)
+
+
+def test_pipeline_of_two_by_two_replicas_equals_the_unsplit_model() -> None:
+    cases = [
+        Case(CHAIN, (0, 3, 8), "1f1b", 1, 3, 14, clip=True),
+        Case(CHAIN, (0, 5, 8), "gpipe", 1, 4, 16, clip=False),
+        Case(CHAIN, (0, 2, 8), "zero-bubble", 1, 3, 12, clip=True),
+        Case(CHAIN, (0, 2, 4, 6, 8), "interleaved-1f1b", 2, 2, 10, clip=True),
+        Case(CHAIN, (0, 4, 8), "1f1b", 1, 1, 6, clip=False),
+        Case(CHAIN, (0, 6, 8), "gpipe", 1, 2, 8, clip=True, reduction="sum"),
+    ]
+    check(cases, pp=2, dp=2)
+
+
+def ddp_against_pipeline(case: Case) -> dict[str, Any]:
+    """pp=1 x dp=2: stagewise's Pipeline and plain DDP on the whole model, in the same processes."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, 2, timeout=60)
+    part = Partition.from_bounds(case.bounds)
+    pipe = Pipeline(case.chain.build(), part, n_microbatches=case.n_microbatches, loss_fn=mse, mesh=mesh)
+    plain = DistributedDataParallel(case.chain.build())
+    data = ChainData(case.chain, STEPS * case.global_batch)
+    loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (pipe, plain)]
+    worst_grad = 0.0
+    for batch in loader:
+        for opt in opts:
+            opt.zero_grad()
+        pipe.step(batch.inputs, batch.targets)
+        mse(plain(batch.inputs), batch.targets).backward()
+        ours = dict(pipe.named_parameters())
+        for name, p in plain.module.named_parameters():
+            worst_grad = max(worst_grad, float((ours[name].grad - p.grad).abs().max()))  # type: ignore[operator]
+        for opt in opts:
+            opt.step()
+    ours = dict(pipe.named_parameters())
+    worst_param = max(float((ours[n] - p).abs().max()) for n, p in plain.module.named_parameters())
+    dist.destroy_process_group()
+    return {"grad": worst_grad, "param": worst_param, "params": {n: p.detach().clone() for n, p in ours.items()}}
+
+
+def test_one_stage_two_replicas_equals_plain_ddp() -> None:
+    case = Case(CHAIN, (0, 8), "1f1b", 1, 3, 10, clip=False)
+    results = run_ranks(ddp_against_pipeline, 2, case, timeout=120)
+    want = unsplit(case, 2)
+    for rank, got in results.items():
+        assert got["grad"] < 1e-5 and got["param"] < 1e-5, (rank, got["grad"], got["param"])
+        for name, param in got["params"].items():
+            torch.testing.assert_close(param, want["params"][name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def uneven_replicas() -> None:
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, 2, timeout=60)
+    part = Partition.from_bounds((0, 1))
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), part, n_microbatches=2, loss_fn=mse, mesh=mesh)
+    size = 4 + 2 * mesh.replica
+    pipe.step(torch.randn(size, 4), torch.randn(size, 4))
+
+
+def test_replicas_with_different_batch_sizes_are_refused() -> None:
+    try:
+        run_ranks(uneven_replicas, 2, timeout=120)
+    except LaunchError as err:
+        messages = [f.message for f in err.failures]
+        assert any("the replicas' batches differ in size (4 to 6 samples)" in m for m in messages), messages
+    else:
+        raise AssertionError("uneven replica batches trained without an error")
