@@ -72,10 +72,11 @@ class Replicas:
     since a pipeline's forwards and backwards of different micro-batches
     interleave and DDP's ``no_sync`` cannot express "sync on the last backward".
 
-    Buffers are not broadcast between replicas (``broadcast_buffers=False``):
-    each replica keeps its own running statistics. DDP's ``static_graph`` is
-    not offered: its first-step bookkeeping hangs on DDP's own forward, which
-    stages do not run through, so it would change nothing.
+    DDP copies replica 0's parameters and buffers to the others when it wraps
+    a stage; after that, each replica keeps its own buffers (running
+    statistics), since buffers are synchronised only by DDP's forward. DDP's
+    ``static_graph`` is not offered: its first-step bookkeeping hangs on DDP's
+    own forward, which stages do not run through, so it would change nothing.
     """
 
     def __init__(
@@ -95,7 +96,6 @@ class Replicas:
                 module,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=group,
-                broadcast_buffers=False,
                 bucket_cap_mb=config.bucket_cap_mb,
                 gradient_as_bucket_view=config.gradient_as_bucket_view,
                 find_unused_parameters=config.find_unused_parameters,
