@@ -25,6 +25,8 @@ class GPTConfig:
     """Attention heads per block; must divide ``d_model``."""
     d_ff: int = 0
     """Hidden width of each block's MLP; 0 means ``4 * d_model``."""
+    tie_embeddings: bool = False
+    """Use the token embedding's matrix as the LM head's weight too (as GPT-2 does)."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -84,7 +86,9 @@ class GPT(nn.Module):
 
     It is a chain for :func:`stagewise.partition.layers_of`: ``embed``,
     ``blocks.0`` .. ``blocks.N-1``, ``norm``, ``head``. Pass ``device="meta"``
-    to build it without allocating its weights.
+    to build it without allocating its weights. With ``tie_embeddings`` the
+    head's weight is the token embedding's; split across stages, each of the
+    two stages keeps a copy and :class:`stagewise.Pipeline` sums their gradients.
     """
 
     stagewise_chain = ("embed", "blocks", "norm", "head")
@@ -96,6 +100,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, device=device) for _ in range(config.n_layers))
         self.norm = nn.LayerNorm(config.d_model, device=device)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.tokens.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)

@@ -1,4 +1,4 @@
-"""layers_of(): the ordered, named layers of a model that is a chain."""
+"""layers_of(): the ordered, named layers of a model that is a chain, and the parameters they share."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ class SharedParameter:
     """The names of the layers that hold it, in chain order."""
     names: tuple[str, ...]
     """Its full name in each of those layers."""
+    indices: tuple[int, ...]
+    """The chain index of each of those layers."""
+    attributes: tuple[str, ...]
+    """Its dotted name inside each of those layers (``weight``, ``tokens.weight``)."""
 
 
 def _children(prefix: str, container: nn.Module, flatten: bool) -> Iterator[Layer]:
@@ -62,16 +66,21 @@ def _declared(model: nn.Module, flatten: bool) -> Iterator[Layer]:
 
 def shared_parameters(layers: list[Layer]) -> list[SharedParameter]:
     """Parameters held by more than one layer, each listed once."""
-    holders: dict[int, list[tuple[str, str]]] = {}
-    for layer in layers:
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for index, layer in enumerate(layers):
         seen: set[int] = set()
         for pname, param in layer.module.named_parameters(remove_duplicate=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            holders.setdefault(id(param), []).append((layer.name, f"{layer.name}.{pname}"))
+            holders.setdefault(id(param), []).append((index, pname))
     return [
-        SharedParameter(layers=tuple(h[0] for h in held), names=tuple(h[1] for h in held))
+        SharedParameter(
+            layers=tuple(layers[i].name for i, _ in held),
+            names=tuple(f"{layers[i].name}.{a}" for i, a in held),
+            indices=tuple(i for i, _ in held),
+            attributes=tuple(a for _, a in held),
+        )
         for held in holders.values()
         if len(held) > 1
     ]
@@ -93,10 +102,14 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
       (``blocks.0``, ``blocks.1``, ...). Every parameter of the model must
       belong to one of the listed layers.
 
+    Layers may share parameters (tied weights, such as an embedding and an
+    LM head): :func:`shared_parameters` lists them, and
+    :class:`stagewise.Pipeline` keeps one copy per stage that uses them, with
+    their gradients summed.
+
     Raises:
         TypeError: the model is not a chain; the message says how to make it one.
-        ValueError: the model has no layers, or layers share parameters (tied
-            weights), which are named.
+        ValueError: the model has no layers, or lists a layer twice.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"layers_of expects an nn.Module, got {type(model).__name__}")
@@ -127,12 +140,4 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
                 f"{kind}.{CHAIN_ATTRIBUTE} leaves out parameters {stray[:5]}"
                 f"{' ...' if len(stray) > 5 else ''}; list every module that owns parameters"
             )
-    shared = shared_parameters(layers)
-    if shared:
-        described = "; ".join(" = ".join(s.names) for s in shared)
-        raise ValueError(
-            f"{kind} shares parameters between layers (tied weights): {described}. "
-            "Splitting a model with parameters shared across layers is not supported yet; "
-            "untie them (give each layer its own copy) before partitioning."
-        )
     return layers

@@ -16,6 +16,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     *,
     group: dist.ProcessGroup,
+    counted: list[nn.Parameter] | None = None,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip ``parameters``' gradients by the total norm of all gradients held across ``group``; returns that norm.
@@ -25,14 +26,16 @@ def clip_grad_norm_(
     ``norm ** p``, or a max for the infinity norm), so every rank gets the
     same total and scales its gradients by ``max_norm / total`` when the total
     is larger: the result of ``torch.nn.utils.clip_grad_norm_`` on the
-    unsplit model.
+    unsplit model. ``counted`` (by default all of ``parameters``) are those
+    whose gradients count in the norm: leave out copies of a tied parameter
+    that another rank counts.
     """
     if not max_norm > 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
     p = float(norm_type)
     if not (p > 0 or math.isinf(p)):
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-    grads = [q.grad for q in parameters if q.grad is not None]
+    grads = [q.grad for q in (parameters if counted is None else counted) if q.grad is not None]
     device = grads[0].device if grads else next((q.device for q in parameters), torch.device("cpu"))
     local = (get_total_norm(grads, p) if grads else torch.zeros(())).to(device, torch.float64)
     if math.isinf(p):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stagewise.comm import Payload, PipelineMesh, Transport, init_mesh
-from stagewise.partition import Partition, layers_of
+from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
@@ -21,6 +21,7 @@ from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, s
 from stagewise.pipeline.render import to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.stage import StageModule, materialise
+from stagewise.pipeline.tied import Ties, retie
 from stagewise.pipeline.validate import validate
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,16 @@ class Pipeline:
         self.loss_reduction: LossReduction = loss_reduction
         self.position = self.mesh.stage
         self.stages: dict[int, StageModule] = {}
+        shared = shared_parameters(layers)  # before materialising, which unties them
         b = partition.bounds
         for s in plan.stages_of(self.position):
             mine = layers[b[s] : b[s + 1]]
             for offset, layer in enumerate(mine):
                 materialise(layer.module, b[s] + offset, self.device, seed)
             self.stages[s] = StageModule(s, b[s], mine, checkpointing=activation_checkpointing)
+        retie(layers, shared, {i for s in self.stages for i in range(b[s], b[s + 1])})
+        self.ties = Ties(layers, shared, partition, plan, self.mesh)
+        self.ties.synchronise()
         peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
         self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout))
         dp = self.mesh.layout.dp
@@ -166,14 +171,18 @@ class Pipeline:
     # --- parameters and state -------------------------------------------------------------------
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters."""
-        for stage in self.stages.values():
-            yield from stage.parameters()
+        """This rank's parameters, each once (a tied parameter used by two of its stages too)."""
+        for _, param in self.named_parameters():
+            yield param
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, named as in the unsplit model."""
+        """This rank's parameters, named as in the unsplit model; a tied one by its first name here."""
+        seen: set[int] = set()
         for stage in self.stages.values():
-            yield from stage.named_chain_parameters()
+            for name, param in stage.named_chain_parameters():
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers, named as in the unsplit model."""
@@ -236,6 +245,7 @@ class Pipeline:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
         with torch.enable_grad():
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
+        self.ties.sum_gradients()
         self._record(result)
         loss = result.loss if result.loss is not None else torch.zeros((), device=self.device)
         loss = loss.detach().to(self.device, torch.float32)
@@ -261,12 +271,15 @@ class Pipeline:
         """Clip the gradients of the whole model by its total norm, as ``torch.nn.utils.clip_grad_norm_`` would.
 
         The norm is that of every gradient on every stage (each stage's
-        replicas hold the same, already averaged, gradients), all-reduced
-        over the pipeline group; every rank returns it and scales its own
-        gradients by ``max_norm / norm`` when the norm is larger.
+        replicas hold the same, already averaged, gradients; a tied
+        parameter counts once), all-reduced over the pipeline group; every
+        rank returns it and scales its own gradients by ``max_norm / norm``
+        when the norm is larger.
         """
-        mine, group, strict = list(self.parameters()), self.mesh.pp_group, error_if_nonfinite
-        return clip_grad_norm_(mine, max_norm, norm_type, group=group, error_if_nonfinite=strict)
+        mine = list(self.parameters())
+        counted = [p for p in mine if self.ties.counted(p)]
+        group, strict = self.mesh.pp_group, error_if_nonfinite
+        return clip_grad_norm_(mine, max_norm, norm_type, group=group, counted=counted, error_if_nonfinite=strict)
 
     def predict(self, inputs: Payload | None) -> Payload | None:
         """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere."""

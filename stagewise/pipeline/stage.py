@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from stagewise.partition import Layer
+from stagewise.partition import Layer, layers_of, shared_parameters
+from stagewise.pipeline.tied import retie
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,12 @@ def materialise_model(model: nn.Module, *, device: torch.device | str = "cpu", s
 
     A model built on the meta device gets, layer by layer, the same initial
     values that the stages of a pipeline with the same ``seed`` get, whatever
-    the split: the single-process reference of the same training.
+    the split: the single-process reference of the same training. Tied
+    parameters are tied again, with the value of the first layer that uses them.
     """
-    from stagewise.partition import layers_of
-
-    for index, layer in enumerate(layers_of(model)):
+    layers = layers_of(model)
+    shared = shared_parameters(layers)  # before materialising, which unties them
+    for index, layer in enumerate(layers):
         materialise(layer.module, index, torch.device(device), seed)
+    retie(layers, shared, set(range(len(layers))))
     return model

@@ -1,4 +1,4 @@
-"""layers_of(): chains recognised, names kept, non-chains and tied weights refused."""
+"""layers_of(): chains recognised, names kept, non-chains refused, tied weights found."""
 
 from __future__ import annotations
 
@@ -131,9 +131,9 @@ def test_tied_weights_are_detected_and_named() -> None:
     head = nn.Linear(4, 10, bias=False)
     head.weight = embed.weight
     model = nn.Sequential(embed, nn.Linear(4, 4), head)
-    with pytest.raises(ValueError, match=r"tied weights\): 0.weight = 2.weight.*not supported yet"):
-        layers_of(model)
+    assert [layer.name for layer in layers_of(model)] == ["0", "1", "2"]  # tied weights are allowed
     assert shared_parameters([Layer("0", embed), Layer("1", model[1])]) == []
-    found = shared_parameters([Layer("0", embed), Layer("1", model[1]), Layer("2", head)])
+    found = shared_parameters(layers_of(model))
     assert len(found) == 1
     assert found[0].layers == ("0", "2") and found[0].names == ("0.weight", "2.weight")
+    assert found[0].indices == (0, 2) and found[0].attributes == ("weight", "weight")

@@ -1,0 +1,97 @@
+"""Tied embedding and LM head on different stages train exactly as the unsplit tied model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from multiproc import run_ranks
+
+from stagewise.comm import init_mesh
+from stagewise.models import GPT, GPTConfig
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline, materialise_model
+
+STEPS = 3
+CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)
+TIED = ("embed.tokens.weight", "head.weight")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batches(size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(0, CONFIG.vocab_size, (size, CONFIG.seq_len + 1), generator=g) for _ in range(STEPS)]
+    return [(i[:, :-1], i[:, 1:]) for i in ids]
+
+
+def unsplit(size: int, clip: float | None) -> dict[str, Any]:
+    model = materialise_model(GPT(CONFIG, device="meta"), seed=5)
+    assert model.head.weight is model.embed.tokens.weight  # the tie survives materialisation
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)  # Adam would amplify rounding in zero-gradient biases
+    losses, norms = [], []
+    for x, y in batches(size):
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return {"losses": losses, "norms": norms, "params": model.state_dict()}
+
+
+def train_tied(schedule: str, bounds: tuple[int, ...], pp: int, dp: int, clip: float | None) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(pp, dp, timeout=60)
+    model = GPT(CONFIG, device="meta")
+    pipe = Pipeline(
+        model,
+        Partition.from_bounds(bounds),
+        schedule=schedule,  # type: ignore[arg-type]
+        n_microbatches=2,
+        loss_fn=lm_loss,
+        mesh=mesh,
+        seed=5,
+        timeout=30,
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.2)
+    losses, norms = [], []
+    for x, y in batches(4 * dp):
+        share = slice(4 * mesh.replica, 4 * mesh.replica + 4)
+        opt.zero_grad()
+        losses.append(pipe.step(x[share], y[share]).item())
+        if clip is not None:
+            norms.append(float(pipe.clip_grad_norm_(clip)))
+        opt.step()
+    dist.destroy_process_group()
+    return {"losses": losses, "norms": norms, "params": pipe.state_dict()}
+
+
+def check(results: dict[int, dict[str, Any]], want: dict[str, Any]) -> None:
+    merged: dict[str, torch.Tensor] = {}
+    for got in results.values():
+        torch.testing.assert_close(got["losses"], want["losses"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["norms"], want["norms"], atol=1e-5, rtol=1e-5)
+        for name, value in got["params"].items():
+            if name in merged:  # the other stage's copy of the tied weight: still equal after training
+                torch.testing.assert_close(value, merged[name], atol=0, rtol=0)
+            merged[name] = value
+    assert set(merged) == set(want["params"])
+    for name, value in want["params"].items():
+        torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-5, msg=name)
+    assert all(n in results[0]["params"] for n in TIED[:1]) and TIED[1] in results[max(results)]["params"]
+
+
+def test_tied_embedding_and_head_on_two_stages_equal_the_unsplit_model() -> None:
+    want = unsplit(4, clip=0.5)
+    for schedule in ("1f1b", "zero-bubble"):
+        check(run_ranks(train_tied, 2, schedule, (0, 2, 6), 2, 1, 0.5, timeout=120), want)
+
+
+def test_tied_weights_with_two_replicas() -> None:
+    check(run_ranks(train_tied, 4, "gpipe", (0, 3, 6), 2, 2, None, timeout=120), unsplit(8, clip=None))
