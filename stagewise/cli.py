@@ -9,10 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
-import torch
-
 from stagewise.models import PRESETS
-from stagewise.models import build as build_model
 from stagewise.partition import By, MemorySchedule, balance_costs, profile
 from stagewise.pipeline import Schedule, ScheduleName, StageCosts, render, simulate, to_chrome_trace
 from stagewise.pipeline import build as build_schedule
@@ -129,11 +126,8 @@ def _schedule(args: argparse.Namespace) -> int:
 
 def _partition(args: argparse.Namespace) -> int:
     config = PRESETS[args.model]
-    seq_len = args.seq_len or config.seq_len
-    if seq_len > config.seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds {args.model}'s longest sequence {config.seq_len}")
-    model = build_model(args.model, device="meta")
-    sample = torch.zeros(args.micro_batch_size, seq_len, dtype=torch.long)
+    model = config.build(device="meta")
+    sample = config.example(args.micro_batch_size, args.seq_len)
     timed = args.by == "time"
     costs = profile(model, sample, time=timed, device=args.device if timed else None, progress=timed)
     part = balance_costs(
@@ -146,10 +140,11 @@ def _partition(args: argparse.Namespace) -> int:
         n_microbatches=args.microbatches,
         state_multiplier=args.state_multiplier,
     )
-    total = sum(c.params for c in costs)
+    total = sum(p.numel() for p in model.parameters())  # a tied parameter once
+    shape = "x".join(str(d) for d in sample.shape)
     print(
-        f"{args.model}: {len(costs)} layers, {total:,} parameters; micro-batch {args.micro_batch_size} x "
-        f"{seq_len} tokens, {args.microbatches} micro-batches, {args.schedule}; balanced by {args.by}"
+        f"{args.model}: {len(costs)} layers, {total:,} parameters; micro-batch of shape {shape}, "
+        f"{args.microbatches} micro-batches, {args.schedule}; balanced by {args.by}"
     )
     print(part.report())
     if part.memory is not None:

@@ -36,7 +36,7 @@ def test_partition_by_time_with_capacity(capsys: pytest.CaptureFixture[str]) -> 
         (["--capacity", "6MiB"], "no split of 7 layers into 4 stages fits the capacities"),
         (["--capacity", "1KiB"], "alone needs"),
         (["--speeds", "1,2,3"], "--speeds has 3 values for 4 stages"),
-        (["--seq-len", "4096"], "--seq-len 4096 exceeds gpt-tiny's longest sequence 128"),
+        (["--seq-len", "4096"], "a sequence length of 4096 exceeds the model's longest, 128"),
     ],
 )
 def test_bad_values_give_exit_2_and_a_message(

@@ -41,6 +41,21 @@ class GPTConfig:
     def hidden(self) -> int:
         return self.d_ff or 4 * self.d_model
 
+    def build(self, *, device: torch.device | str | None = None) -> GPT:
+        return GPT(self, device=device)
+
+    def example(self, batch: int, seq_len: int | None = None) -> torch.Tensor:
+        """Token ids of ``batch`` sequences of ``seq_len`` (the longest by default), for profiling."""
+        length = seq_len or self.seq_len
+        if length > self.seq_len:
+            raise ValueError(f"a sequence length of {length} exceeds the model's longest, {self.seq_len}")
+        return torch.zeros(batch, length, dtype=torch.long)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy, averaged over every position of every sequence."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
 
 class Embedding(nn.Module):
     """Token plus learned position embedding: ids ``[batch, seq]`` to ``[batch, seq, d_model]``."""
