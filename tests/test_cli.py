@@ -1,7 +1,8 @@
-"""The command line: `stagewise partition` prints the optimal split and refuses bad values."""
+"""The command line: `partition` prints the optimal split, `train` runs the main job, and bad values are refused."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,39 @@ def test_schedule_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str]) 
     assert "multiple of the number of ranks" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["schedule", "pipedream"])
+
+
+@pytest.mark.timeout(240)
+def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["--steps", "12", "--warmup", "2", "--batch-size", "8", "--seq-len", "32", "--eval-every", "6"]
+    argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "6"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=230, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "backend gloo" in done.stdout and "pp=2 x dp=1 on 2 processes" in done.stdout
+    assert "train: 100%" in done.stderr  # rank 0's progress bar reaches the terminal
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 12 and summary["losses"][-1] < summary["losses"][0] - 1.0
+    assert [step for step, _ in summary["evals"]] == [6, 12]
+    assert (out / "loss.png").stat().st_size > 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-00000006", "step-00000012"]
+    assert f"checkpoint {out / 'ckpt' / 'step-00000012'}" in done.stdout
+
+
+def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--stages", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
+                 "--lr", "--optimizer", "--bf16", "--activation-checkpointing", "--seed", "--data", "--checkpoint-dir",
+                 "--checkpoint-every", "--resume", "--trace"):  # fmt: skip
+        assert flag in text, flag
+
+
+def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "gpt-tiny", "--resume", "--no-checkpoints"]) == 2
+    assert "resume needs checkpoint_dir" in capsys.readouterr().err
+    assert main(["train", "--stop-after", "400"]) == 2
+    assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err

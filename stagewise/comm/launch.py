@@ -120,6 +120,9 @@ class LaunchOptions(TypedDict, total=False):
     """OMP_NUM_THREADS of the processes (default 1); None leaves it alone."""
     env: Mapping[str, str]
     """More environment variables for the processes."""
+    tee: bool
+    """Copy each process's output to ours with a ``[rank]`` prefix (default); False lets them write to our
+    terminal directly, as a progress bar needs."""
 
 
 def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[LaunchOptions]) -> dict[int, T]:
@@ -186,7 +189,9 @@ def _run(
             monitor_interval=options.get("monitor_interval", 0.1),
             start_method="spawn",
             local_addr=host if host in (LOOPBACK, "localhost") else None,
-            logs_specs=DefaultLogsSpecs(log_dir=logs, tee=Std.ALL),
+            logs_specs=DefaultLogsSpecs(log_dir=logs, tee=Std.ALL)
+            if options.get("tee", True)
+            else DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE, tee=Std.NONE),
         )
         try:
             with _environment(children):

@@ -57,13 +57,29 @@ class GPTConfig:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class Table(nn.Module):
+    """A lookup table ``weight[rows, width]``, initialised N(0, 0.02) as in GPT-2 (so a tied LM head starts small)."""
+
+    def __init__(self, rows: int, width: int, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, width, device=device))
+        if not self.weight.is_meta:
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class Embedding(nn.Module):
     """Token plus learned position embedding: ids ``[batch, seq]`` to ``[batch, seq, d_model]``."""
 
     def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.tokens = nn.Embedding(config.vocab_size, config.d_model, device=device)
-        self.positions = nn.Embedding(config.seq_len, config.d_model, device=device)
+        self.tokens = Table(config.vocab_size, config.d_model, device=device)
+        self.positions = Table(config.seq_len, config.d_model, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[-1], device=ids.device)

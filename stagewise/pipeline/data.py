@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, default_collate
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
 
 from stagewise.comm import Payload
 
@@ -44,6 +44,22 @@ class _Fields(Dataset[tuple[Any, ...]]):
                 "make the dataset return (inputs, targets)"
             )
         return tuple(sample[c] for c in self.columns)
+
+
+class _Resumable(Sampler[int]):
+    """A sampler's order from sample ``skip`` on: resuming in the middle of an epoch."""
+
+    def __init__(self, inner: DistributedSampler[Any]) -> None:
+        self.inner = inner
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[int]:
+        for position, index in enumerate(self.inner):
+            if position >= self.skip:
+                yield index
+
+    def __len__(self) -> int:
+        return len(self.inner) - self.skip
 
 
 def _collate(samples: list[tuple[Any, ...]]) -> tuple[Payload, ...]:
@@ -108,6 +124,9 @@ class StageLoader:
             dataset, num_replicas=dp, rank=replica, shuffle=shuffle, seed=seed, drop_last=True
         )
         self.steps_per_epoch = len(self.sampler) // local
+        self.resumable = _Resumable(self.sampler)
+        self.start = 0
+        """The batch of the epoch that iteration starts from."""
         if self.steps_per_epoch == 0:
             raise ValueError(
                 f"the dataset's {len(dataset)} samples give each of dp={dp} replicas "  # type: ignore[arg-type]
@@ -120,7 +139,7 @@ class StageLoader:
             self.loader = DataLoader(
                 _Fields(dataset, self.fields),
                 batch_size=local,
-                sampler=self.sampler,
+                sampler=self.resumable,
                 drop_last=True,
                 num_workers=num_workers,
                 pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
@@ -143,16 +162,21 @@ class StageLoader:
             **options,
         )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for ``epoch``; call it on every rank before iterating, as with DistributedSampler."""
+    def set_epoch(self, epoch: int, *, start: int = 0) -> None:
+        """Reshuffle for ``epoch`` and begin at its batch ``start`` (to resume); call it on every rank."""
+        if not 0 <= start <= self.steps_per_epoch:
+            raise ValueError(f"start must be in 0..{self.steps_per_epoch} (batches per epoch), got {start}")
         self.sampler.set_epoch(epoch)
+        self.start = start
+        self.resumable.skip = start * self.local_batch_size
 
     def __len__(self) -> int:
-        return self.steps_per_epoch
+        """Batches left in this epoch: all of them unless :meth:`set_epoch` set a later start."""
+        return self.steps_per_epoch - self.start
 
     def __iter__(self) -> Iterator[Batch]:
         if self.loader is None:
-            for _ in range(self.steps_per_epoch):
+            for _ in range(len(self)):
                 yield Batch(None, None)
             return
         for columns in self.loader:

@@ -65,6 +65,7 @@ class Pipeline:
         device: where this rank computes; by default the mesh's device.
         n_virtual: stages per rank (interleaved schedules).
         activation_checkpointing: recompute each layer's forward during backward instead of keeping its activations.
+        autocast: run every stage's forward under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``).
         seed: the seed of layer initialisation for meta-device models.
         loss_reduction: how ``loss_fn`` reduces over a batch: "mean" or "sum".
         timeout: bound on every wait for another rank, in seconds.
@@ -84,6 +85,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         n_virtual: int = 1,
         activation_checkpointing: bool = False,
+        autocast: torch.dtype | None = None,
         seed: int = 0,
         loss_reduction: LossReduction = "mean",
         timeout: float = 300.0,
@@ -118,6 +120,7 @@ class Pipeline:
                 "every layer's forward a second time; choose one"
             )
         self.schedule = plan
+        self.partition = partition
         self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=timeout)
         if self.mesh.layout.pp != plan.n_ranks:
             raise ValueError(
@@ -133,12 +136,16 @@ class Pipeline:
         self.position = self.mesh.stage
         self.stages: dict[int, StageModule] = {}
         shared = shared_parameters(layers)  # before materialising, which unties them
+        self.model_keys = frozenset(f"{layer.name}.{k}" for layer in layers for k in layer.module.state_dict())
+        """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
         b = partition.bounds
         for s in plan.stages_of(self.position):
             mine = layers[b[s] : b[s + 1]]
             for offset, layer in enumerate(mine):
                 materialise(layer.module, b[s] + offset, self.device, seed)
-            self.stages[s] = StageModule(s, b[s], mine, checkpointing=activation_checkpointing)
+            self.stages[s] = StageModule(
+                s, b[s], mine, checkpointing=activation_checkpointing, autocast=autocast, device_type=self.device.type
+            )
         retie(layers, shared, {i for s in self.stages for i in range(b[s], b[s + 1])})
         self.ties = Ties(layers, shared, partition, plan, self.mesh)
         self.ties.synchronise()
@@ -247,11 +254,29 @@ class Pipeline:
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
         self.ties.sum_gradients()
         self._record(result)
-        loss = result.loss if result.loss is not None else torch.zeros((), device=self.device)
-        loss = loss.detach().to(self.device, torch.float32)
+        return self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0)
+
+    def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
+        """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`."""
+        outputs = self.predict(inputs)
+        loss = None
+        samples = 0
+        if self.is_last:
+            if targets is None or outputs is None:
+                raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
+            target = self._to_device(targets)
+            samples = len(target if isinstance(target, torch.Tensor) else target[0])
+            with torch.no_grad():
+                loss = self.loss_fn(outputs, target)
+        return self._share_loss(loss, samples)
+
+    def _share_loss(self, loss: torch.Tensor | None, samples: int) -> torch.Tensor:
+        """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline."""
+        loss = (loss if loss is not None else torch.zeros((), device=self.device)).detach()
+        loss = loss.to(self.device, torch.float32)
         smallest = largest = 0
-        if tgs is not None and self.replicas is not None:
-            whole = combine_losses(loss, sum(tgs.sizes), group=self.mesh.dp_group, mean=self.loss_reduction == "mean")
+        if self.is_last and self.replicas is not None:
+            whole = combine_losses(loss, samples, group=self.mesh.dp_group, mean=self.loss_reduction == "mean")
             loss, smallest, largest = whole.loss, whole.smallest, whole.largest
         packet = torch.tensor([float(loss), smallest, largest], dtype=torch.float64, device=self.device)
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)

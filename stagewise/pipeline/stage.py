@@ -66,7 +66,16 @@ class StageModule(nn.Module):
     Parameter ``p`` of layer ``blocks.3`` is named ``blocks.3.p`` here, as in the unsplit model.
     """
 
-    def __init__(self, index: int, first: int, layers: Sequence[Layer], *, checkpointing: bool = False) -> None:
+    def __init__(
+        self,
+        index: int,
+        first: int,
+        layers: Sequence[Layer],
+        *,
+        checkpointing: bool = False,
+        autocast: torch.dtype | None = None,
+        device_type: str = "cpu",
+    ) -> None:
         super().__init__()
         self.index = index
         """The stage's number in the pipeline."""
@@ -75,6 +84,9 @@ class StageModule(nn.Module):
         self.names = [layer.name for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.checkpointing = checkpointing
+        self.autocast = autocast
+        """Run the layers under ``torch.autocast`` with this dtype; None runs them as they are."""
+        self.device_type = device_type
         self.capture: list[tuple[nn.Module, object]] | None = None
         """While a list, every module that owns parameters appends (module, output) here as it runs."""
         for module in self.layers.modules():
@@ -88,12 +100,14 @@ class StageModule(nn.Module):
     def run(self, x: object, owners: list[tuple[nn.Module, object]] | None = None) -> object:
         """Apply the layers in order; with ``owners``, record the output of every module that owns parameters."""
         self.capture = owners
+        cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         try:
-            for layer in self.layers:
-                if self.checkpointing and torch.is_grad_enabled():
-                    x = checkpoint(layer, x, use_reentrant=False)
-                else:
-                    x = layer(x)
+            with cast:
+                for layer in self.layers:
+                    if self.checkpointing and torch.is_grad_enabled():
+                        x = checkpoint(layer, x, use_reentrant=False)
+                    else:
+                        x = layer(x)
         finally:
             self.capture = None
         return x

@@ -111,11 +111,12 @@ def test_bad_outputs_and_arguments() -> None:
 _BIG = """
 import json, resource, torch
 from stagewise.models import build
-from stagewise.partition import profile
+from stagewise.partition import balance_costs, profile
 model = build("gpt-7b", device="meta")
 costs = profile(model, torch.zeros(1, 2048, dtype=torch.long))
+part = balance_costs(costs, 8, by="flops", capacities=[80 * 2**30] * 8, n_microbatches=16)
 print(json.dumps({"params": sum(c.params for c in costs), "flops": sum(c.flops for c in costs),
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "bounds": part.bounds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """
 
 
@@ -128,6 +129,7 @@ def test_seven_billion_parameters_on_meta_without_allocating() -> None:
     # The process holds torch itself (a few hundred MB), never the 27 GB of weights.
     assert result["peak_rss"] < 2 * 2**30 < model_bytes / 10
     assert result["flops"] > 6 * result["params"] * 2048 * 0.9
+    assert len(result["bounds"]) == 9 and result["bounds"][-1] == 35  # partitioned into 8 stages too
 
 
 def test_layer_cost_is_a_plain_record() -> None:

@@ -1,0 +1,277 @@
+"""Checkpoints with torch.distributed.checkpoint, keyed by the unsplit model's names: atomic, loaded into any split."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import shutil
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from stagewise.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step-(\d{8})$")
+MODEL, OPTIM, PROGRESS = "model/", "optim/", "progress"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, incomplete, corrupt, or from a different model."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands: the steps done, and the data position of the next step."""
+
+    step: int
+    """Optimizer steps completed."""
+    epoch: int
+    """The epoch of the next batch."""
+    batch: int
+    """The index within that epoch of the next batch."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` file and nothing else: only its own classes and torch's dtypes."""
+
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+    _NAMES = (
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # maps a layout's name to torch.strided etc.
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("collections", "OrderedDict"),
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self._MODULES or (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        kinds = (torch.dtype, torch.layout, torch.memory_format)
+        if module == "torch" and isinstance(getattr(torch, name, None), kinds):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, whose metadata is unpickled with an allow-list instead of plain pickle.
+
+    Tensor data is read as raw bytes by DCP itself; only the ``.metadata``
+    index is a pickle, and here it may hold DCP's own metadata classes and
+    nothing that could run code.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with path.open("rb") as file:
+                metadata = _MetadataUnpickler(file).load()
+        except FileNotFoundError as err:
+            raise CheckpointError(f"{self.path} is not a complete checkpoint: it has no .metadata") from err
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
+            raise CheckpointError(f"the checkpoint index {path} is corrupt or truncated: {err}") from err
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not a checkpoint index")
+        return metadata
+
+
+def complete(directory: str | Path) -> list[Path]:
+    """The complete checkpoints under ``directory``, oldest first (a save that was cut off does not count)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / ".metadata").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``directory``, or None."""
+    done = complete(directory)
+    return done[-1] if done else None
+
+
+def _optimizer_state(pipe: Pipeline, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in pipe.named_parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for param, state in optimizer.state.items():
+        name = names.get(id(param))
+        if name is None:
+            raise ValueError("the optimizer holds a parameter that is not one of this pipeline's; pass its optimizer")
+        for key, value in state.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            out[f"{OPTIM}{name}/{key}"] = tensor
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _everyone_agrees(ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank; a collective, so all ranks raise together rather than some hang."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save(
+    directory: str | Path,
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer | None,
+    progress: Progress,
+    *,
+    keep: int = 2,
+) -> Path:
+    """Save this step's model, optimizer state, progress and RNG states; every rank calls it.
+
+    Written with torch.distributed.checkpoint into ``step-NNNNNNNN.partial``
+    and renamed to ``step-NNNNNNNN`` once every rank's part and the index are
+    on disk, so a save that is cut off leaves the previous checkpoint the
+    latest. Keys are the unsplit model's names (``model/blocks.3.fc.weight``,
+    ``optim/blocks.3.fc.weight/exp_avg``), so the checkpoint loads into any
+    split. Only the newest ``keep`` checkpoints are kept.
+    """
+    root = Path(directory)
+    final = root / f"step-{progress.step:08d}"
+    partial = final.with_name(final.name + ".partial")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = ""
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        except OSError as err:
+            problem = f": {err}"
+    if not _everyone_agrees(not problem, pipe.device):
+        raise CheckpointError(
+            f"rank 0 cannot write checkpoints to {root}{problem}; choose a writable checkpoint directory"
+        )
+    state: dict[str, Any] = {MODEL + k: v for k, v in pipe.state_dict().items()}
+    if optimizer is not None:
+        state.update(_optimizer_state(pipe, optimizer))
+    state[PROGRESS] = torch.tensor([progress.step, progress.epoch, progress.batch], dtype=torch.int64)
+    state[f"rng/{rank}"] = torch.get_rng_state()
+    dcp_save(state, storage_writer=FileSystemWriter(partial))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in complete(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("saved %s", final)
+    _barrier()
+    return final
+
+
+def _reason(err: BaseException) -> str:
+    """The first underlying failure of a DCP error, in one line."""
+    failures = getattr(err, "failures", None)
+    inner: object = next(iter(failures.values())) if isinstance(failures, dict) and failures else err
+    inner = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exception", inner)
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}{': ' + text[0] if text else ''}"
+
+
+def _check_keys(mine: Iterable[str], everything: Iterable[str], stored: Mapping[str, Any], path: Path) -> None:
+    stored_model = {k[len(MODEL) :] for k in stored if k.startswith(MODEL)}
+    missing = sorted(set(mine) - stored_model)
+    unexpected = sorted(stored_model - set(everything))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"the checkpoint {path} does not fit this model: missing keys {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}; load a checkpoint of the same model"
+        )
+
+
+def _empty_like_stored(meta: Any, key: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(meta, TensorStorageMetadata):
+        raise CheckpointError(f"checkpoint entry {key} is not a tensor")
+    return torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
+
+
+def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> Progress:
+    """Load a checkpoint saved with any split into this pipeline (and optimizer); every rank calls it.
+
+    Each rank reads only its own parameters' entries. The model must be the
+    same: missing or unexpected keys and shape mismatches are a
+    :class:`CheckpointError` naming them. The RNG state is restored when
+    this rank saved one. Returns the progress to resume from.
+    """
+    path = Path(path)
+    reader = SafeReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    model_state = pipe.state_dict()
+    _check_keys(model_state, pipe.model_keys, stored, path)
+    for name, tensor in model_state.items():
+        size = getattr(stored[MODEL + name], "size", None)
+        if size is not None and tuple(size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"the checkpoint {path} holds {name} with shape {tuple(size)}, but this model's is "
+                f"{tuple(tensor.shape)}; load a checkpoint of the same model"
+            )
+    state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
+    device = pipe.device
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    wanted: dict[nn.Parameter, list[str]] = {}
+    if optimizer is not None:
+        params = dict(pipe.named_parameters())
+        for key in stored:
+            if key.startswith(OPTIM):
+                name = key[len(OPTIM) :].rpartition("/")[0]
+                if name in params:
+                    scalar = not getattr(stored[key], "size", (0,))  # e.g. Adam's step stays on the CPU
+                    state[key] = _empty_like_stored(stored[key], key, torch.device("cpu") if scalar else device)
+                    wanted.setdefault(params[name], []).append(key)
+    state[PROGRESS] = torch.zeros(3, dtype=torch.int64)
+    rng = f"rng/{rank}"
+    if rng in stored:
+        state[rng] = _empty_like_stored(stored[rng], rng, torch.device("cpu"))
+    try:
+        dcp_load(state, storage_reader=reader)
+    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
+        raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
+    if optimizer is not None:
+        for param, keys in wanted.items():
+            optimizer.state[param] = {k.rpartition("/")[2]: state[k] for k in keys}
+    if rng in state:
+        torch.set_rng_state(state[rng])
+    step, epoch, batch = (int(v) for v in state[PROGRESS])
+    log.info("loaded %s: step %d", path, step)
+    return Progress(step, epoch, batch)
+
+
+def export(path: str | Path, out: str | Path) -> Path:
+    """Write a checkpoint's model as one plain ``state_dict`` file for the unsplit model (no process group needed).
+
+    Load it with ``model.load_state_dict(torch.load(out, weights_only=True))``.
+    """
+    reader = SafeReader(Path(path))
+    stored = reader.read_metadata().state_dict_metadata
+    state = {k: _empty_like_stored(v, k, torch.device("cpu")) for k, v in stored.items() if k.startswith(MODEL)}
+    if not state:
+        raise CheckpointError(f"the checkpoint {path} holds no model entries")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp_load(state, storage_reader=reader, no_dist=True)
+    plain = {k[len(MODEL) :]: v for k, v in state.items()}
+    torch.save(plain, out)
+    return Path(out)

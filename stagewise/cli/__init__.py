@@ -1,0 +1,35 @@
+"""The command line: ``train`` runs the main job; ``partition`` prints a split; ``schedule`` checks and draws one."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from stagewise.cli import partition, schedule, train
+from stagewise.comm import LaunchError
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="stagewise", description=__doc__)
+    top.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
+    commands = top.add_subparsers(dest="command", required=True)
+    train.add(commands)
+    partition.add(commands)
+    schedule.add(commands)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    run = {"train": train.run, "partition": partition.run, "schedule": schedule.run}[ns.command]
+    try:
+        return run(ns)
+    except (ValueError, TypeError, OSError, ImportError) as err:
+        print(f"stagewise {ns.command}: error: {err}", file=sys.stderr)
+        return 2
+    except LaunchError as err:
+        print(f"stagewise {ns.command}: {err}", file=sys.stderr)
+        return 1

@@ -1,0 +1,36 @@
+"""Argument types shared by the commands: sizes, number lists, positive counts, per-stage values."""
+
+from __future__ import annotations
+
+import argparse
+
+from stagewise.units import parse_bytes
+
+
+def sizes(text: str) -> list[float]:
+    return [parse_bytes(part) for part in text.split(",")]
+
+
+def floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from err
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def per_stage(values: list[float] | None, n_stages: int, what: str) -> list[float] | None:
+    if values is None or len(values) == n_stages:
+        return values
+    if len(values) == 1:
+        return values * n_stages
+    raise ValueError(f"--{what} has {len(values)} values for {n_stages} stages; give one, or one per stage")

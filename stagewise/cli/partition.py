@@ -1,0 +1,64 @@
+"""``stagewise partition``: profile a preset and print its optimal split into pipeline stages."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, get_args
+
+from stagewise.cli import args
+from stagewise.models import PRESETS
+from stagewise.partition import By, MemorySchedule, balance_costs, profile
+from stagewise.units import format_bytes
+
+
+def add(commands: Any) -> None:
+    part = commands.add_parser(
+        "partition",
+        help="profile a model and print its optimal split into pipeline stages",
+        description="Profile a model layer by layer (on the meta device unless --by time) and print "
+        "the split into stages that minimises the slowest stage, within each device's memory.",
+    )
+    part.add_argument("--model", default="gpt-small", choices=sorted(PRESETS), help="model preset")
+    part.add_argument("--stages", type=args.positive_int, default=4, help="number of pipeline stages")
+    part.add_argument("--by", default="flops", choices=get_args(By), help="what a stage's load counts")
+    part.add_argument("--micro-batch-size", type=args.positive_int, default=1, help="sequences per micro-batch")
+    part.add_argument("--seq-len", type=args.positive_int, default=None, help="tokens per sequence (preset's)")
+    part.add_argument("--microbatches", type=args.positive_int, default=8, help="micro-batches per step")
+    part.add_argument("--schedule", default="1f1b", choices=get_args(MemorySchedule), help="for memory")
+    part.add_argument("--capacity", type=args.sizes, default=None, help="device memory, e.g. 80GiB, or one per stage")
+    part.add_argument("--speeds", type=args.floats, default=None, help="relative device speeds, one per stage")
+    part.add_argument("--state-multiplier", type=float, default=4.0, help="parameter copies kept (4: Adam)")
+    part.add_argument("--device", default="cpu", help="where --by time measures")
+    part.add_argument("--json", type=Path, default=None, help="also write the partition as JSON here")
+
+
+def run(ns: argparse.Namespace) -> int:
+    config = PRESETS[ns.model]
+    model = config.build(device="meta")
+    sample = config.example(ns.micro_batch_size, ns.seq_len)
+    timed = ns.by == "time"
+    costs = profile(model, sample, time=timed, device=ns.device if timed else None, progress=timed)
+    part = balance_costs(
+        costs,
+        ns.stages,
+        by=ns.by,
+        speeds=args.per_stage(ns.speeds, ns.stages, "speeds"),
+        capacities=args.per_stage(ns.capacity, ns.stages, "capacity"),
+        schedule=ns.schedule,
+        n_microbatches=ns.microbatches,
+        state_multiplier=ns.state_multiplier,
+    )
+    total = sum(p.numel() for p in model.parameters())  # a tied parameter once
+    shape = "x".join(str(d) for d in sample.shape)
+    print(
+        f"{ns.model}: {len(costs)} layers, {total:,} parameters; micro-batch of shape {shape}, "
+        f"{ns.microbatches} micro-batches, {ns.schedule}; balanced by {ns.by}"
+    )
+    print(part.report())
+    if part.memory is not None:
+        print(f"peak stage memory {format_bytes(max(part.memory))} ({ns.schedule}, state x{ns.state_multiplier:g})")
+    if ns.json is not None:
+        ns.json.write_text(part.to_json() + "\n")
+        print(f"wrote {ns.json}")
+    return 0

@@ -1,0 +1,150 @@
+"""``stagewise train``: the main job, on local processes by default, or as one rank of a torchrun job."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, get_args
+
+import torch
+
+from stagewise.cli import args
+from stagewise.comm import launch
+from stagewise.models import PRESETS, GPTConfig
+from stagewise.pipeline import Pipeline, ScheduleName
+from stagewise.train import Optimizer, Summary, TrainConfig, train
+
+DEFAULTS = TrainConfig()
+
+
+def add(commands: Any) -> None:
+    p = commands.add_parser(
+        "train",
+        help="train a preset model with a pipeline (the main job)",
+        description="Train a preset model split into pipeline stages. Without torchrun it starts "
+        "stages x dp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
+        "under torchrun each process is one rank, so several nodes are plain torchrun.",
+    )
+    d = DEFAULTS
+    p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--stages", type=args.positive_int, default=d.stages, help="pipeline ranks")
+    p.add_argument("--virtual", type=args.positive_int, default=d.virtual, help="stages per rank (interleaved)")
+    p.add_argument("--dp", type=args.positive_int, default=d.dp, help="data-parallel replicas of the pipeline")
+    p.add_argument("--schedule", default=d.schedule, choices=get_args(ScheduleName), help="pipeline schedule")
+    p.add_argument("--microbatches", type=args.positive_int, default=d.microbatches, help="micro-batches per step")
+    p.add_argument("--batch-size", type=args.positive_int, default=d.batch_size, help="global batch (samples)")
+    p.add_argument("--seq-len", type=args.positive_int, default=d.seq_len, help="tokens per sequence (GPT)")
+    p.add_argument("--steps", type=args.positive_int, default=d.steps, help="optimizer steps (the schedule's length)")
+    p.add_argument("--stop-after", type=args.positive_int, default=None, help="end after this step (resume later)")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine to lr/10)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps")
+    p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer), help="optimizer")
+    p.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip (0: off)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data order")
+    p.add_argument("--data", default=d.data, help="text file or folder (GPT; default: the Python stdlib source)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: at the end)")
+    p.add_argument("--eval-batches", type=args.positive_int, default=d.eval_batches, help="validation batches")
+    p.add_argument("--checkpoint-dir", default="stagewise-run/checkpoints", help="write checkpoints here")
+    p.add_argument("--no-checkpoints", dest="checkpoint_dir", action="store_const", const=None, help="write none")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: at end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--trace", default=d.trace, help="write a Chrome trace of the last step here (per rank)")
+    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a rank waits for another")
+    p.add_argument("--out", type=Path, default=Path("stagewise-run"), help="folder for summary.json and loss.png")
+
+
+def _config(ns: argparse.Namespace) -> TrainConfig:
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in names})
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+def run_rank(config: TrainConfig) -> Summary:
+    """One rank's part of ``train``: rank 0 shows the layout and a progress bar."""
+    rank = int(os.environ.get("RANK", "0"))
+    bar: Any = None
+    tokens = config.batch_size * (config.seq_len if isinstance(PRESETS[config.model], GPTConfig) else 1)
+
+    def started(pipe: Pipeline) -> None:
+        nonlocal bar
+        if rank == 0:
+            from tqdm import tqdm
+
+            print(pipe.mesh.describe(), flush=True)
+            print(f"partition {list(pipe.partition.bounds)}, schedule {pipe.schedule.name}", flush=True)
+            bar = tqdm(total=config.steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def stepped(step: int, loss: float, seconds: float) -> None:
+        if bar is None:
+            return
+        bar.update(step - bar.n)  # a resumed run starts at its step
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(seconds, 1e-9):.0f}", step_s=f"{seconds:.2f}")
+
+    try:
+        return train(config, on_start=started, on_step=stepped)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def report(summary: Summary, out: Path) -> list[str]:
+    """Write summary.json (and loss.png with matplotlib) into ``out``; the lines to show."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = dataclasses.asdict(summary) | {"tokens_per_second": summary.throughput()}
+    (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    lines = []
+    if summary.losses:
+        lines.append(
+            f"steps {summary.first_step + 1}..{summary.first_step + len(summary.losses)}: loss "
+            f"{summary.losses[0]:.3f} -> {summary.losses[-1]:.3f}, {summary.throughput():.0f} tokens/s"
+        )
+    if summary.evals:
+        lines.append("validation loss " + ", ".join(f"{v:.3f} (step {s})" for s, v in summary.evals))
+    if summary.checkpoint:
+        lines.append(f"checkpoint {summary.checkpoint}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        lines.append(f"wrote {out / 'summary.json'} (install matplotlib for loss.png)")
+        return lines
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = range(summary.first_step + 1, summary.first_step + len(summary.losses) + 1)
+    ax.plot(list(steps), summary.losses, label="training", linewidth=1)
+    if summary.evals:
+        ax.plot(*zip(*summary.evals, strict=True), "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss", title=f"{summary.config['model']}: {summary.parameters:,} parameters")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+    plt.close(fig)
+    lines.append(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
+    return lines
+
+
+def run(ns: argparse.Namespace) -> int:
+    config = _config(ns)
+    if _under_torchrun():
+        summary = run_rank(config)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+    else:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        on_gpus = gpus >= config.world_size
+        results = launch(run_rank, config.world_size, config, device="auto" if on_gpus else "cpu", tee=False)
+        summary = results[0]
+    for line in report(summary, ns.out):
+        print(line)
+    sys.stdout.flush()
+    return 0

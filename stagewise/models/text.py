@@ -1,0 +1,111 @@
+"""Byte-level text data over any file or folder; by default the installed Python standard library's source."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LIMIT = 8 << 20
+"""Bytes read at most from a corpus by default: enough for the tiny presets, quick to read."""
+
+
+def standard_library() -> Path:
+    """The folder of the running Python's standard library, whose source is the default corpus."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+def _files(root: Path, suffix: str | None) -> Iterator[Path]:
+    """Files under ``root`` in a fixed order (folders walked in sorted order), installed packages skipped."""
+    if root.is_file():
+        yield root
+        return
+    if not root.is_dir():
+        raise FileNotFoundError(f"no text file or folder at {root}; pass an existing --data path")
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP and not d.startswith("."))
+        for name in sorted(names):
+            if (suffix is None or name.endswith(suffix)) and not name.endswith((".pyc", ".so")):
+                yield Path(folder) / name
+
+
+def read_corpus(path: str | Path | None = None, *, limit: int = DEFAULT_LIMIT) -> torch.Tensor:
+    """The bytes of ``path`` (a file, or the files under a folder in a fixed order) as a uint8 tensor.
+
+    Without ``path``, the ``.py`` files of the standard library (not
+    site-packages), in sorted order: text that needs no download and is the
+    same on every run on one machine. At most ``limit`` bytes are read.
+    """
+    root = Path(path) if path is not None else standard_library()
+    chunks: list[bytes] = []
+    size = 0
+    for file in _files(root, None if path is not None else ".py"):
+        if size >= limit:
+            break
+        try:
+            data = file.read_bytes()[: limit - size]
+        except OSError as err:
+            log.warning("skipping %s: %s", file, err)
+            continue
+        chunks.append(data)
+        size += len(data)
+    if size < 2:
+        raise ValueError(f"the corpus at {root} holds {size} bytes of text; pass a file or folder with text in it")
+    log.info("read %d bytes from %d files under %s", size, len(chunks), root)
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+class ByteText(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Consecutive windows of a byte string: sample ``i`` is ``seq_len`` bytes and the same bytes shifted by one.
+
+    Inputs and targets are int64 token ids in 0..255 (a vocabulary of 256).
+    """
+
+    def __init__(self, data: torch.Tensor, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if len(data) < seq_len + 1:
+            raise ValueError(
+                f"{len(data)} bytes of text are too few for one sequence of {seq_len} tokens; "
+                "use more text or a shorter sequence"
+            )
+        self.data = data
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.seq_len
+        window = self.data[start : start + self.seq_len + 1].long()
+        return window[:-1], window[1:]
+
+
+@dataclass(frozen=True)
+class TextSplits:
+    """A corpus cut into training and validation text."""
+
+    train: ByteText
+    val: ByteText
+
+
+def text_splits(
+    path: str | Path | None, seq_len: int, *, val_fraction: float = 0.05, limit: int = DEFAULT_LIMIT
+) -> TextSplits:
+    """The corpus at ``path`` (see :func:`read_corpus`), its last ``val_fraction`` held out for validation."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    data = read_corpus(path, limit=limit)
+    cut = int(len(data) * (1 - val_fraction))
+    return TextSplits(ByteText(data[:cut], seq_len), ByteText(data[cut:], seq_len))

@@ -1,0 +1,272 @@
+"""The training job run on every rank: a preset model, its data, the Pipeline, evaluation and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import torch
+from torch.utils.data import Dataset
+
+from stagewise import checkpoint
+from stagewise.comm import init_mesh
+from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
+from stagewise.models.text import text_splits
+from stagewise.partition import Partition, auto
+from stagewise.pipeline import Batch, DataParallel, LossFn, Pipeline, ScheduleName, StageLoader
+
+log = logging.getLogger(__name__)
+
+Optimizer = Literal["adamw", "sgd"]
+"""The optimizers ``train`` offers."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; the defaults are the embedded job that runs on a 2-core laptop."""
+
+    model: str = "gpt-tiny"
+    """Model preset (see ``stagewise.models.PRESETS``)."""
+    stages: int = 2
+    """Pipeline ranks; with ``virtual`` stages each, the model is split into ``stages * virtual`` stages."""
+    virtual: int = 1
+    """Stages per pipeline rank (2 or more for the interleaved schedule)."""
+    dp: int = 1
+    """Data-parallel replicas of the whole pipeline; the job runs ``stages * dp`` processes."""
+    schedule: ScheduleName = "1f1b"
+    """Pipeline schedule."""
+    microbatches: int = 4
+    """Micro-batches per step and replica."""
+    batch_size: int = 32
+    """Samples per step over all replicas (the global batch)."""
+    seq_len: int = 128
+    """Tokens per sequence, for GPT presets."""
+    steps: int = 300
+    """Optimizer steps in all; the learning-rate schedule spans them."""
+    stop_after: int | None = None
+    """End this run after this step, with a checkpoint, to resume later (a job time limit); None runs to the end."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after ``warmup`` steps and decayed along a cosine to a tenth."""
+    warmup: int = 10
+    """Steps of linear learning-rate warm-up."""
+    optimizer: Optimizer = "adamw"
+    """AdamW (weight decay 0.01) or SGD with momentum 0.9."""
+    clip: float = 1.0
+    """Clip the gradients' global norm to this; 0 turns clipping off."""
+    bf16: bool = False
+    """Run forwards under bfloat16 autocast."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them."""
+    seed: int = 0
+    """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
+    data: str | None = None
+    """Text file or folder for GPT presets; by default the Python standard library's source."""
+    eval_every: int = 100
+    """Evaluate on the validation split every this many steps (and at the end); 0 only at the end."""
+    eval_batches: int = 4
+    """Validation batches per evaluation."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; none are written without it."""
+    checkpoint_every: int = 0
+    """Save every this many steps (and at the end); 0 only at the end."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``checkpoint_dir``."""
+    trace: str | None = None
+    """Write a Chrome/Perfetto trace of the last step here (one file per rank)."""
+    timeout: float = 300.0
+    """Seconds any rank waits for another before failing with a named error."""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "virtual", "dp", "microbatches", "batch_size", "seq_len", "steps", "eval_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        for name in ("warmup", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, value in (("lr", self.lr), ("timeout", self.timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.clip < 0:
+            raise ValueError(f"clip must be >= 0 (0 turns it off), got {self.clip}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"stop_after must be in 1..steps={self.steps}, got {self.stop_after}")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume needs checkpoint_dir: the folder to resume from")
+        preset(self.model)  # an unknown preset fails here, with the choices
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.dp
+
+
+@dataclass
+class Summary:
+    """What a run did: per-step losses and times, evaluations, and where its outputs are."""
+
+    config: dict[str, Any]
+    partition: list[int]
+    """The stage boundaries chosen by the partitioner."""
+    parameters: int
+    """Parameters of the unsplit model (a tied one once)."""
+    first_step: int
+    """The step this run started from (above 0 when resumed)."""
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) pairs."""
+    samples_per_step: int = 0
+    tokens_per_sample: int = 1
+    checkpoint: str | None = None
+    """The last checkpoint written."""
+
+    def throughput(self) -> float:
+        """Tokens (or samples) per second over the run's steps after the first."""
+        timed = self.step_seconds[1:] or self.step_seconds
+        return self.samples_per_step * self.tokens_per_sample * len(timed) / max(sum(timed), 1e-9)
+
+
+StepCallback = Callable[[int, float, float], None]
+"""``callback(step, loss, seconds)`` after each step, on every rank."""
+
+
+def _datasets(config: TrainConfig, model: ModelConfig) -> tuple[Dataset[Any], Dataset[Any], int]:
+    """Training and validation data for the model, and tokens per sample."""
+    if isinstance(model, GPTConfig):
+        if config.seq_len > model.seq_len:
+            raise ValueError(f"seq_len={config.seq_len} exceeds {config.model}'s longest sequence, {model.seq_len}")
+        splits = text_splits(config.data, config.seq_len)
+        return splits.train, splits.val, config.seq_len
+    n = 64 * config.batch_size
+    if isinstance(model, MLPConfig):
+        return teacher_regression(model, n, seed=1), teacher_regression(model, n // 8, seed=2), 1
+    assert isinstance(model, CNNConfig)
+    return pattern_images(model, n, seed=1), pattern_images(model, n // 8, seed=2), 1
+
+
+def _optimizer(config: TrainConfig, pipe: Pipeline) -> torch.optim.Optimizer:
+    params = list(pipe.parameters())
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then a cosine down to ``lr / 10`` at the last step."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    span = max(1, config.steps - config.warmup)
+    progress = min(1.0, (step - config.warmup) / span)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _batches(loader: StageLoader, start: checkpoint.Progress) -> Iterator[tuple[int, int, Batch]]:
+    """(epoch, index in epoch, batch) forever, from the position ``start``."""
+    epoch, first = start.epoch, start.batch
+    while True:
+        loader.set_epoch(epoch, start=first)
+        for offset, batch in enumerate(loader):
+            yield epoch, first + offset, batch
+        epoch, first = epoch + 1, 0
+
+
+def _evaluate(pipe: Pipeline, data: Dataset[Any], config: TrainConfig) -> float:
+    loader = StageLoader.of(pipe, data, global_batch_size=config.batch_size, shuffle=False)
+    losses = []
+    pipe.eval()
+    for _, batch in zip(range(config.eval_batches), loader, strict=False):
+        losses.append(float(pipe.evaluate(batch.inputs, batch.targets)))
+    pipe.train()
+    return sum(losses) / len(losses)
+
+
+def build_pipeline(config: TrainConfig) -> Pipeline:
+    """The Pipeline of ``config`` on this rank: the preset on the meta device, split exactly by FLOPs."""
+    mesh = init_mesh(config.stages, config.dp, timeout=config.timeout)
+    model_config = preset(config.model)
+    model = model_config.build(device="meta")
+    n_stages = config.stages * config.virtual
+    micro = max(1, config.batch_size // config.dp // config.microbatches)
+    sample = model_config.example(micro, config.seq_len if isinstance(model_config, GPTConfig) else None)
+    part: Partition = auto(model, n_stages, sample, by="flops")
+    return Pipeline(
+        model,
+        part,
+        schedule=config.schedule,
+        n_microbatches=config.microbatches,
+        loss_fn=cast(LossFn, model_config.loss),
+        mesh=mesh,
+        n_virtual=config.virtual,
+        activation_checkpointing=config.activation_checkpointing,
+        autocast=torch.bfloat16 if config.bf16 else None,
+        seed=config.seed,
+        timeout=config.timeout,
+        data_parallel=DataParallel(),
+    )
+
+
+def train(
+    config: TrainConfig,
+    *,
+    on_start: Callable[[Pipeline], None] | None = None,
+    on_step: StepCallback | None = None,
+) -> Summary:
+    """Run ``config`` on this rank of a job started by torchrun or :func:`stagewise.comm.launch`.
+
+    ``on_start(pipe)`` runs once the pipeline is built; ``on_step(step, loss,
+    seconds)`` after every step. Returns this rank's :class:`Summary` (the
+    losses are the global batch's on every rank).
+    """
+    torch.manual_seed(config.seed)
+    pipe = build_pipeline(config)
+    if on_start is not None:
+        on_start(pipe)
+    model_config = preset(config.model)
+    train_data, val_data, tokens = _datasets(config, model_config)
+    loader = StageLoader.of(pipe, train_data, global_batch_size=config.batch_size, seed=config.seed)
+    optimizer = _optimizer(config, pipe)
+    position = checkpoint.Progress(0, 0, 0)
+    if config.resume:
+        assert config.checkpoint_dir is not None
+        found = checkpoint.latest(config.checkpoint_dir)
+        if found is None:
+            log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
+        else:
+            position = checkpoint.load(found, pipe, optimizer)
+    params = sum(p.numel() for p in model_config.build(device="meta").parameters())
+    summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
+    summary.samples_per_step, summary.tokens_per_sample = config.batch_size, tokens
+    batches = _batches(loader, position)
+    end = config.steps if config.stop_after is None else config.stop_after
+    for step in range(position.step, end):
+        epoch, index, batch = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if config.trace is not None and step == config.steps - 1:
+            pipe.trace = Path(config.trace)
+        loss = float(pipe.step(batch.inputs, batch.targets))
+        if config.clip > 0:
+            pipe.clip_grad_norm_(config.clip)
+        optimizer.step()
+        seconds = time.perf_counter() - began
+        summary.losses.append(loss)
+        summary.step_seconds.append(seconds)
+        done = step + 1
+        if on_step is not None:
+            on_step(done, loss, seconds)
+        if done == end or (config.eval_every and done % config.eval_every == 0):
+            summary.evals.append((done, _evaluate(pipe, val_data, config)))
+        if config.checkpoint_dir is not None and (
+            done == end or (config.checkpoint_every and done % config.checkpoint_every == 0)
+        ):
+            wraps = index + 1 == loader.steps_per_epoch
+            progress = checkpoint.Progress(done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1)
+            summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
+    return summary

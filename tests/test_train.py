@@ -1,0 +1,164 @@
+"""The training job: resume is exact, checkpoints reshard to other stage counts and dp, and bad ones are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
+
+from stagewise import checkpoint
+from stagewise.comm import LaunchError
+from stagewise.models import build
+from stagewise.pipeline import materialise_model
+from stagewise.train import TrainConfig, build_pipeline, train
+
+BASE = TrainConfig(
+    model="gpt-tiny-tied",
+    stages=2,
+    microbatches=2,
+    batch_size=8,
+    seq_len=32,
+    steps=8,
+    warmup=2,
+    eval_every=0,
+    eval_batches=1,
+    timeout=60,
+)
+
+
+def run(config: TrainConfig) -> list[float]:
+    torch.set_num_threads(1)
+    return train(config).losses
+
+
+def launch_run(config: TrainConfig) -> list[float]:
+    return run_ranks(run, config.world_size, config, timeout=180)[0]
+
+
+def exported(directory: Path, step: int, into: Path) -> dict[str, torch.Tensor]:
+    out = checkpoint.export(directory / f"step-{step:08d}", into)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """An uninterrupted 8-step run, and a 4-step run whose checkpoint the tests resume from."""
+    root = tmp_path_factory.mktemp("train")
+    whole = dataclasses.replace(BASE, checkpoint_dir=str(root / "whole"), checkpoint_every=4)
+    half = dataclasses.replace(BASE, stop_after=4, checkpoint_dir=str(root / "half"))
+    return {"root": root, "whole": launch_run(whole), "half": launch_run(half)}
+
+
+def test_resume_continues_bitwise_exactly(runs: dict[str, Any]) -> None:
+    root: Path = runs["root"]
+    config = dataclasses.replace(BASE, checkpoint_dir=str(root / "half"), resume=True)
+    rest = launch_run(config)
+    assert runs["half"] + rest == runs["whole"]  # the same losses, bit for bit
+    a = exported(root / "whole", 8, root / "a.pt")
+    b = exported(root / "half", 8, root / "b.pt")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert runs["whole"][-1] < runs["whole"][0]
+
+
+@pytest.mark.parametrize(("stages", "dp"), [(1, 1), (3, 1), (2, 2)])
+def test_a_checkpoint_of_two_stages_resumes_with_other_splits(runs: dict[str, Any], stages: int, dp: int) -> None:
+    root: Path = runs["root"]
+    here = root / f"s{stages}-dp{dp}"
+    shutil.copytree(root / "half" / "step-00000004", here / "step-00000004")
+    config = dataclasses.replace(BASE, stages=stages, dp=dp, stop_after=5, checkpoint_dir=str(here), resume=True)
+    losses = launch_run(config)
+    # The next step's loss equals continuing with 2 stages, so the parameters and optimizer state loaded equal.
+    torch.testing.assert_close(losses[0], runs["whole"][4], atol=1e-5, rtol=1e-5)
+    got = exported(here, 5, here / "five.pt")
+    want = dataclasses.replace(BASE, stop_after=5, checkpoint_dir=str(root / "five"))
+    if not (root / "five").exists():
+        launch_run(want)
+    ref = exported(root / "five", 5, root / "five.pt")
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_export_loads_into_the_unsplit_model(runs: dict[str, Any]) -> None:
+    root: Path = runs["root"]
+    state = exported(root / "half", 4, root / "plain.pt")
+    model = materialise_model(build("gpt-tiny-tied", device="meta"))
+    model.load_state_dict(state)
+    assert model.head.weight is model.embed.tokens.weight  # still tied after loading
+    torch.testing.assert_close(model.head.weight, state["embed.tokens.weight"], atol=0, rtol=0)
+
+
+def bad_checkpoints(root: str) -> dict[str, str]:
+    """Save one checkpoint, then load it wrongly in several ways; the error message of each."""
+    torch.set_num_threads(1)
+    base = Path(root)
+    config = dataclasses.replace(BASE, stages=1, stop_after=1, checkpoint_dir=str(base / "good"))
+    train(config)
+    saved = checkpoint.latest(base / "good")
+    assert saved is not None
+    messages: dict[str, str] = {}
+    other = build_pipeline(dataclasses.replace(BASE, model="mlp-tiny", stages=1))
+    for case, action in {
+        "other model": lambda: checkpoint.load(saved, other),
+        "no checkpoint": lambda: checkpoint.load(base / "nowhere", other),
+    }.items():
+        try:
+            action()
+        except checkpoint.CheckpointError as err:
+            messages[case] = str(err)
+    pipe = build_pipeline(dataclasses.replace(BASE, stages=1))
+    corrupt = base / "corrupt"
+    shutil.copytree(saved, corrupt)
+    (corrupt / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    truncated = base / "truncated"
+    shutil.copytree(saved, truncated)
+    data = next(p for p in truncated.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:100])
+    evil = base / "evil"
+    shutil.copytree(saved, evil)
+    import pickle
+
+    (evil / ".metadata").write_bytes(pickle.dumps(os.system))
+    for case, path in {"corrupt": corrupt, "truncated": truncated, "code in metadata": evil}.items():
+        try:
+            checkpoint.load(path, pipe)
+        except checkpoint.CheckpointError as err:
+            messages[case] = str(err)
+    blocked = base / "blocked"
+    blocked.write_text("a file where the checkpoint folder should be")
+    try:
+        checkpoint.save(blocked, pipe, None, checkpoint.Progress(1, 0, 0))
+    except checkpoint.CheckpointError as err:
+        messages["unwritable"] = str(err)
+    dist.destroy_process_group()
+    return messages
+
+
+def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
+    messages = run_ranks(bad_checkpoints, 1, str(tmp_path), timeout=120)[0]
+    assert "does not fit this model: missing keys ['blocks.0.norm.bias'" in messages["other model"]
+    assert "unexpected keys ['blocks.0.attn_norm.bias'" in messages["other model"]
+    assert "is not a complete checkpoint: it has no .metadata" in messages["no checkpoint"]
+    assert "is corrupt or truncated" in messages["corrupt"]
+    assert messages["truncated"].endswith("failed (corrupt or truncated?): EOFError")
+    assert "posix.system is not allowed in a checkpoint's metadata" in messages["code in metadata"]
+    assert "rank 0 cannot write checkpoints to" in messages["unwritable"]
+
+
+def test_resume_without_a_checkpoint_dir_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"resume needs checkpoint_dir"):
+        dataclasses.replace(BASE, resume=True)
+    with pytest.raises(ValueError, match=r"unknown model preset 'gpt-huge'"):
+        dataclasses.replace(BASE, model="gpt-huge")
+    with pytest.raises(ValueError, match=r"microbatches must be a whole number >= 1, got 0"):
+        dataclasses.replace(BASE, microbatches=0)
+    with pytest.raises(LaunchError, match=r"global_batch_size=8 is smaller than dp=1 x n_microbatches=16"):
+        launch_run(dataclasses.replace(BASE, microbatches=16))
