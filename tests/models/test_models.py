@@ -1,0 +1,86 @@
+"""The MLP and CNN reference models, their synthetic data, and the byte-level text corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagewise.models import (
+    PRESETS,
+    ByteText,
+    CNNConfig,
+    MLPConfig,
+    build,
+    pattern_images,
+    read_corpus,
+    teacher_regression,
+    text_splits,
+)
+from stagewise.partition import layers_of
+from stagewise.pipeline import materialise_model
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "cnn-tiny"])
+def test_presets_are_chains_that_materialise_layer_by_layer(name: str) -> None:
+    config = PRESETS[name]
+    meta = build(name, device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    model = materialise_model(meta, seed=3)
+    x = config.example(4)
+    direct = model(x)
+    chained = x
+    for layer in layers_of(model):
+        chained = layer.module(chained)
+    torch.testing.assert_close(chained, direct)  # running the layers one by one is the model
+    again = materialise_model(build(name, device="meta"), seed=3)
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)  # initialisation depends on the seed alone
+
+
+def test_shapes_and_losses() -> None:
+    mlp = MLPConfig(d_in=5, d_model=16, n_layers=2, d_out=3)
+    assert mlp.build()(torch.zeros(7, 5)).shape == (7, 3)
+    cnn = CNNConfig(in_channels=1, image_size=8, widths=(4, 8), blocks_per_width=1, n_classes=6)
+    logits = cnn.build()(torch.zeros(2, 1, 8, 8))
+    assert logits.shape == (2, 6)
+    assert float(cnn.loss(logits, torch.tensor([0, 1])).detach()) > 0
+    with pytest.raises(ValueError, match=r"image_size=2 is too small to halve 2 times"):
+        CNNConfig(image_size=2, widths=(4, 8, 16))
+    with pytest.raises(ValueError, match=r"MLPConfig.n_layers must be >= 1, got 0"):
+        MLPConfig(n_layers=0)
+
+
+def test_synthetic_sets_share_their_teacher_and_patterns() -> None:
+    config = MLPConfig(d_in=4, d_out=2)
+    train, val = teacher_regression(config, 64, seed=1), teacher_regression(config, 64, seed=2)
+    assert not torch.equal(train.tensors[0], val.tensors[0])  # the seed draws the inputs
+    other = teacher_regression(config, 64, seed=1, teacher=5)
+    assert torch.equal(other.tensors[0], train.tensors[0]) and not torch.equal(other.tensors[1], train.tensors[1])
+    cnn = CNNConfig(image_size=8, widths=(4,))
+    images, again = pattern_images(cnn, 64, seed=1, noise=0.0), pattern_images(cnn, 64, seed=2, noise=0.0)
+    shared = set(images.tensors[1].tolist()) & set(again.tensors[1].tolist())
+    assert shared
+    for label in shared:
+        a = images.tensors[0][images.tensors[1] == label][0]
+        b = again.tensors[0][again.tensors[1] == label][0]
+        torch.testing.assert_close(a, b)  # a class looks the same in both sets
+
+
+def test_text_windows_and_splits(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_bytes(b"0123456789")
+    (tmp_path / "a.txt").write_bytes(b"abcdefghij")
+    data = read_corpus(tmp_path)
+    assert bytes(data.tolist()) == b"abcdefghij0123456789"  # files in sorted order
+    windows = ByteText(data, 4)
+    assert len(windows) == 4
+    x, y = windows[1]
+    assert bytes(x.tolist()) == b"efgh" and bytes(y.tolist()) == b"fghi" and x.dtype == torch.int64
+    splits = text_splits(tmp_path / "a.txt", 2, val_fraction=0.4)
+    assert len(splits.train) == 2 and len(splits.val) == 1
+    assert read_corpus(limit=1000).numel() == 1000  # the standard library's source, by default
+    with pytest.raises(FileNotFoundError, match=r"no text file or folder at .*missing; pass an existing --data"):
+        read_corpus(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"10 bytes of text are too few for one sequence of 20 tokens"):
+        ByteText(read_corpus(tmp_path / "a.txt"), 20)
