@@ -80,6 +80,8 @@ class TrainConfig:
     """Write a Chrome/Perfetto trace of the last step here (one file per rank)."""
     timeout: float = 300.0
     """Seconds any rank waits for another before failing with a named error."""
+    partition: tuple[int, ...] | None = None
+    """Stage boundaries to use (e.g. from ``stagewise plan``) instead of splitting by FLOPs."""
 
     def __post_init__(self) -> None:
         for name in ("stages", "virtual", "dp", "microbatches", "batch_size", "seq_len", "steps", "eval_batches"):
@@ -99,6 +101,11 @@ class TrainConfig:
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs checkpoint_dir: the folder to resume from")
         preset(self.model)  # an unknown preset fails here, with the choices
+        if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
+            raise ValueError(
+                f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "
+                f"= {self.stages * self.virtual}; give {self.stages * self.virtual + 1} boundaries"
+            )
 
     @property
     def world_size(self) -> int:
@@ -193,7 +200,11 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
     n_stages = config.stages * config.virtual
     micro = max(1, config.batch_size // config.dp // config.microbatches)
     sample = model_config.example(micro, config.seq_len if isinstance(model_config, GPTConfig) else None)
-    part: Partition = auto(model, n_stages, sample, by="flops")
+    part: Partition = (
+        Partition.from_bounds(config.partition)
+        if config.partition is not None
+        else auto(model, n_stages, sample, by="flops")
+    )
     return Pipeline(
         model,
         part,

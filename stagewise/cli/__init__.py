@@ -1,4 +1,4 @@
-"""The command line: ``train`` runs the main job; ``partition`` prints a split; ``schedule`` checks and draws one."""
+"""The command line: ``train`` runs the main job, ``plan`` picks its layout, ``partition`` and ``schedule`` inspect."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from stagewise.cli import partition, schedule, train
+from stagewise.cli import partition, plan, schedule, train
 from stagewise.comm import LaunchError
 
 
@@ -16,6 +16,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     commands = top.add_subparsers(dest="command", required=True)
     train.add(commands)
+    plan.add(commands)
     partition.add(commands)
     schedule.add(commands)
     return top
@@ -24,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    run = {"train": train.run, "partition": partition.run, "schedule": schedule.run}[ns.command]
+    run = {"train": train.run, "plan": plan.run, "partition": partition.run, "schedule": schedule.run}[ns.command]
     try:
         return run(ns)
     except (ValueError, TypeError, OSError, ImportError) as err:

@@ -16,6 +16,7 @@ from stagewise.cli import args
 from stagewise.comm import launch
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.pipeline import Pipeline, ScheduleName
+from stagewise.planner import load_plan
 from stagewise.train import Optimizer, Summary, TrainConfig, train
 
 DEFAULTS = TrainConfig()
@@ -56,12 +57,22 @@ def add(commands: Any) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--trace", default=d.trace, help="write a Chrome trace of the last step here (per rank)")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a rank waits for another")
+    p.add_argument("--plan", type=Path, default=None, help="a plan from `stagewise plan --json` (sets the layout)")
     p.add_argument("--out", type=Path, default=Path("stagewise-run"), help="folder for summary.json and loss.png")
 
 
 def _config(ns: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(ns).items() if k in names})
+    values = {k: v for k, v in vars(ns).items() if k in names}
+    if ns.plan is not None:
+        chosen = load_plan(ns.plan.read_text())
+        for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size"):
+            values[key] = chosen[key]
+        values["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
+        values["partition"] = tuple(chosen["partition"])
+        if chosen.get("seq_len"):
+            values["seq_len"] = chosen["seq_len"]
+    return TrainConfig(**values)
 
 
 def _under_torchrun() -> bool:

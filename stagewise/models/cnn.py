@@ -42,6 +42,10 @@ class CNNConfig:
         """Images of ``batch`` samples, for profiling (``seq_len`` does not apply)."""
         return torch.zeros(batch, self.in_channels, self.image_size, self.image_size)
 
+    def target(self, batch: int, seq_len: int | None = None) -> torch.Tensor:
+        """Class labels for :meth:`example`."""
+        return torch.zeros(batch, dtype=torch.long)
+
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy over the classes."""

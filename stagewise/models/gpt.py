@@ -51,6 +51,10 @@ class GPTConfig:
             raise ValueError(f"a sequence length of {length} exceeds the model's longest, {self.seq_len}")
         return torch.zeros(batch, length, dtype=torch.long)
 
+    def target(self, batch: int, seq_len: int | None = None) -> torch.Tensor:
+        """Targets for :meth:`example`: the next token ids."""
+        return self.example(batch, seq_len)
+
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy, averaged over every position of every sequence."""

@@ -36,6 +36,10 @@ class MLPConfig:
         """Inputs of ``batch`` samples, for profiling (``seq_len`` does not apply)."""
         return torch.zeros(batch, self.d_in)
 
+    def target(self, batch: int, seq_len: int | None = None) -> torch.Tensor:
+        """Targets for :meth:`example`."""
+        return torch.zeros(batch, self.d_out)
+
     @staticmethod
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean squared error."""

@@ -1,0 +1,105 @@
+"""How well ``stagewise plan --profile`` predicts ``stagewise train``: step time and each rank's peak activations.
+
+For each preset, the planner profiles the layers on this machine's CPU (one
+thread per process, in 2 processes at once, as the 2 training ranks run;
+``stagewise plan --profile --profile-ranks 2``) and evaluates one layout: 2 pipeline
+ranks, dp 1, 1F1B with 4 micro-batches. Then ``train`` runs that layout, with
+the planner's partition, on 2 local gloo processes; each rank records the
+largest total of tensors autograd saved for backward during its steps (the
+same measure as benchmarks/pipeline_bench.py). One JSON line per preset with
+predicted, measured and their ratio.
+
+    python benchmarks/plan_fidelity.py [--presets gpt-tiny,gpt-small] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import torch
+from pipeline_bench import saved_bytes
+
+from stagewise.cluster import Cluster, Device
+from stagewise.comm import launch
+from stagewise.pipeline import Pipeline
+from stagewise.planner import Option, evaluate
+from stagewise.train import TrainConfig, train
+from stagewise.workload import preset_model, workload_under_load
+
+SHAPES = {"gpt-tiny": (32, 128), "gpt-small": (8, 128)}
+"""Global batch and sequence length per preset."""
+
+GLOO = Cluster(
+    (Device(64 * 2**30, 1e11),) * 2,
+    link_bandwidth=1.5e9,  # gloo over loopback on this machine: benchmarks/p2p_bench.py
+    link_latency=2e-4,
+)
+
+
+TRACKED = 2
+"""The last steps run with autograd's saved-tensor hooks to measure activations; the others are timed."""
+
+
+def measured(config: TrainConfig) -> dict[str, Any]:
+    """One rank of the training run: its step times and peak saved activations."""
+    torch.set_num_threads(1)
+    peaks: list[int] = []
+
+    def instrument(pipe: Pipeline) -> None:
+        step = pipe.step
+        calls = [0]
+
+        def tracked(inputs: Any, targets: Any = None) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] <= config.steps - TRACKED:
+                return step(inputs, targets)
+            with saved_bytes(pipe.parameters()) as peak:
+                loss = step(inputs, targets)
+            peaks.append(peak[0])
+            return loss
+
+        pipe.step = tracked  # type: ignore[method-assign]
+
+    summary = train(config, on_start=instrument)
+    return {"steps": summary.step_seconds, "peak": max(peaks)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default="gpt-tiny,gpt-small")
+    parser.add_argument("--steps", type=int, default=12)
+    ns = parser.parse_args()
+    for name in ns.presets.split(","):
+        batch, seq = SHAPES[name]
+        m = 4
+        # Profiled by 2 processes at once, as the 2 training ranks share this machine's cores.
+        work = workload_under_load(preset_model, (name, batch // m, seq), concurrent=2, global_batch=batch)
+        option = evaluate(Option(2, 1, 1, m, "1f1b", False), work, GLOO)
+        assert option.partition is not None, option.rejected
+        config = TrainConfig(
+            model=name, stages=2, microbatches=m, batch_size=batch, seq_len=seq, steps=ns.steps, warmup=1,
+            eval_every=0, partition=option.partition.bounds, clip=1.0,
+        )  # fmt: skip
+        ranks = launch(measured, 2, config)
+        skip = 2  # the first steps warm up allocators and caches
+        step = statistics.median(ranks[0]["steps"][skip:-TRACKED])
+        row = {
+            "bench": "plan_fidelity",
+            "preset": name,
+            "layout": option.describe(),
+            "partition": list(option.partition.bounds),
+            "predicted_step_s": round(option.step_time, 4),
+            "measured_step_s": round(step, 4),
+            "step_ratio": round(option.step_time / step, 3),
+            "predicted_activation_mib": [round(a / 2**20, 2) for a in option.rank_activation],
+            "measured_activation_mib": [round(ranks[r]["peak"] / 2**20, 2) for r in range(2)],
+            "activation_ratio": [round(option.rank_activation[r] / ranks[r]["peak"], 3) for r in range(2)],
+        }
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

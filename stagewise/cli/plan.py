@@ -1,0 +1,154 @@
+"""``stagewise plan``: a dry run that picks the layout and predicts step time and memory before booking GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stagewise.cli import args
+from stagewise.cluster import Cluster, Device, parse_devices
+from stagewise.comm import Payload
+from stagewise.models import PRESETS, GPTConfig
+from stagewise.pipeline import render
+from stagewise.planner import Plan, plan
+from stagewise.units import format_bytes, parse_bytes
+from stagewise.workload import Workload, preset_model, workload, workload_under_load
+
+
+def add(commands: Any) -> None:
+    p = commands.add_parser(
+        "plan",
+        help="choose pp x dp, micro-batches, schedule and checkpointing; predict step time and memory",
+        description="Build the model on the meta device, cost every layer (FLOPs and bytes, or measured "
+        "times with --profile), and search every layout: the exact partition under the devices' memory, the "
+        "simulated step time and each rank's peak memory. Prints the best plans and why others were rejected.",
+    )
+    p.add_argument("--model", default="gpt-small", help="a preset, or MODULE:FACTORY returning an nn.Module")
+    p.add_argument("--input-shape", default=None, help="for MODULE:FACTORY: one sample's shape, e.g. 128 or 3x32x32")
+    p.add_argument("--input-dtype", default="float32", choices=["float32", "int64"], help="for MODULE:FACTORY")
+    p.add_argument("--gpus", type=args.positive_int, default=8, help="devices in all")
+    p.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
+    p.add_argument("--gpu-flops", type=float, default=400e12, help="sustained FLOP/s per device (not the peak)")
+    p.add_argument("--gpu-bandwidth", type=float, default=2e12, help="device memory bytes/s (optimizer step)")
+    p.add_argument("--devices", default=None, help="mixed devices in rank order, e.g. 4x80GiB@400e12,4x40GiB@150e12")
+    p.add_argument("--profile", action="store_true", help="measure layer times on --device instead of FLOPs")
+    p.add_argument("--device", default="cpu", help="where --profile measures")
+    p.add_argument(
+        "--profile-ranks", type=args.positive_int, default=1,
+        help="with --profile: processes measuring at once, as many as the job's ranks sharing this machine",
+    )  # fmt: skip
+    p.add_argument("--nodes", type=args.positive_int, default=1, help="nodes (for --link-bandwidth within a node)")
+    p.add_argument("--global-batch", type=args.positive_int, default=64, help="samples per optimizer step")
+    p.add_argument("--seq-len", type=args.positive_int, default=None, help="tokens per sample (GPT; preset's)")
+    p.add_argument("--micro-batch", type=args.positive_int, default=1, help="samples per profiled micro-batch")
+    p.add_argument("--link-bandwidth", type=float, default=50e9, help="bytes/s between adjacent stages")
+    p.add_argument("--link-latency", type=float, default=20e-6, help="seconds per point-to-point message")
+    p.add_argument("--network-bandwidth", type=float, default=25e9, help="bytes/s per device for all-reduce")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="for the state per parameter")
+    p.add_argument("--top", type=args.positive_int, default=8, help="plans to show")
+    p.add_argument("--json", type=Path, default=None, help="write the best plan here (for `train --plan`)")
+    p.add_argument("--picture", type=Path, default=None, help="draw the best plan's schedule here")
+
+
+def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
+    """The model on the meta device, one profiled micro-batch, and tokens per sample."""
+    if ns.model in PRESETS:
+        config = PRESETS[ns.model]
+        sample = config.example(ns.micro_batch, ns.seq_len)
+        tokens = int(sample.shape[1]) if isinstance(config, GPTConfig) else 1
+        return config.build(device="meta"), sample, tokens
+    module_name, _, factory_name = ns.model.partition(":")
+    if not factory_name:
+        raise ValueError(f"--model {ns.model!r} is neither a preset ({sorted(PRESETS)}) nor MODULE:FACTORY")
+    factory = getattr(importlib.import_module(module_name), factory_name, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name} has no callable {factory_name!r}")
+    if ns.input_shape is None:
+        raise ValueError("--model MODULE:FACTORY needs --input-shape, one sample's shape such as 128 or 3x32x32")
+    shape = [ns.micro_batch, *(int(x) for x in str(ns.input_shape).split("x"))]
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{ns.model} returned a {type(model).__name__}, not an nn.Module")
+    dtype = torch.int64 if ns.input_dtype == "int64" else torch.float32
+    return model, torch.zeros(shape, dtype=dtype), shape[1] if dtype == torch.int64 and len(shape) == 2 else 1
+
+
+def _cluster(ns: argparse.Namespace) -> Cluster:
+    if ns.devices is not None:
+        devices = parse_devices(ns.devices)
+    else:
+        devices = (Device(ns.gpu_memory, ns.gpu_flops, ns.gpu_bandwidth),) * ns.gpus
+    return Cluster(devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth)
+
+
+def _show(result: Plan, work: Workload, top: int) -> None:
+    if result.options:
+        print(f"{'layout':<36} {'step':>10} {'bubble':>7} {'tokens/s':>12} {'peak memory per rank':>22}")
+        for o in result.options[:top]:
+            tokens = o.samples_per_second * work.tokens_per_sample
+            peak = format_bytes(max(o.rank_memory))
+            print(f"{o.describe():<36} {o.step_time:>9.4g}s {o.bubble:>7.1%} {tokens:>12.4g} {peak:>22}")
+    if result.rejected:
+        print(f"rejected {len(result.rejected)} layouts, for example:")
+        shown: set[str] = set()
+        for o in result.rejected:
+            key = (o.rejected or "").split(" needs ")[0].split(" not ")[0]
+            if key not in shown and len(shown) < 5:
+                shown.add(key)
+                print(f"  {o.describe()}: {o.rejected}")
+
+
+def run(ns: argparse.Namespace) -> int:
+    model, sample, tokens = _model(ns)
+    cluster = _cluster(ns)
+    state = 4.0 if ns.optimizer == "adamw" else 2.0
+    if ns.profile and ns.profile_ranks > 1:
+        if ns.model not in PRESETS:
+            raise ValueError("--profile-ranks above 1 profiles presets only; profile MODULE:FACTORY with one rank")
+        work = workload_under_load(
+            preset_model, (ns.model, ns.micro_batch, ns.seq_len), concurrent=ns.profile_ranks,
+            global_batch=ns.global_batch, tokens_per_sample=tokens, state_multiplier=state, measure_on=ns.device,
+        )  # fmt: skip
+    else:
+        loss = preset_model(ns.model, ns.micro_batch, ns.seq_len)[2] if ns.model in PRESETS else None
+        work = workload(
+            model,
+            sample,
+            global_batch=ns.global_batch,
+            tokens_per_sample=tokens,
+            state_multiplier=state,
+            measure_on=ns.device if ns.profile else None,
+            loss=loss,
+        )
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {cluster.describe()}")
+    result = plan(work, cluster)
+    _show(result, work, ns.top)
+    best = result.best
+    if best is None:
+        least = result.smallest_memory
+        need = f"; it would need at least {format_bytes(least)} per device" if least else ""
+        print(f"no layout fits {cluster.n_devices} devices{need}")
+        return 1
+    assert best.partition is not None
+    print(f"best: {best.describe()}, partition {list(best.partition.bounds)}")
+    pairs = list(zip(best.rank_memory, best.rank_activation, strict=True))
+    if len(pairs) > 8:
+        top = max(range(len(pairs)), key=lambda r: pairs[r][0])
+        print(f"fullest rank: {top}, {format_bytes(pairs[top][0])} ({format_bytes(pairs[top][1])} activations)")
+    else:
+        print("per rank: " + ", ".join(f"{format_bytes(m)} ({format_bytes(a)} activations)" for m, a in pairs))
+    if ns.json is not None:
+        seq = tokens if tokens > 1 else None
+        ns.json.write_text(result.to_json(work, model=ns.model, seq_len=seq) + "\n")
+        print(f"wrote {ns.json}")
+    if ns.picture is not None and best.simulation is not None:
+        render(best.simulation.timeline, ns.picture, title=f"{ns.model}: {best.describe()}")
+        print(f"wrote {ns.picture}")
+    return 0

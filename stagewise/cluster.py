@@ -1,0 +1,96 @@
+"""The devices a job runs on: memory, speed and memory bandwidth per device, and the links between them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from stagewise.units import format_bytes, parse_bytes
+
+
+@dataclass(frozen=True)
+class Device:
+    """One kind of accelerator."""
+
+    memory: float
+    """Bytes of memory."""
+    flops: float
+    """Sustained floating-point operations per second of training kernels (not the datasheet peak)."""
+    memory_bandwidth: float = 2e12
+    """Bytes per second to and from its memory (the optimizer step is bound by it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("memory", "flops", "memory_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"a device's {name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices in rank order (rank ``r`` uses ``devices[r]``) and the links between them."""
+
+    devices: tuple[Device, ...]
+    link_bandwidth: float = 50e9
+    """Bytes per second between the ranks of adjacent pipeline stages."""
+    link_latency: float = 20e-6
+    """Seconds per point-to-point message, whatever its size."""
+    network_bandwidth: float = 25e9
+    """Bytes per second each device sends in DDP's ring all-reduce."""
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            raise ValueError("a cluster needs at least one device")
+        for name in ("link_bandwidth", "network_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.link_latency < 0:
+            raise ValueError(f"link_latency must be >= 0, got {self.link_latency}")
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.devices)
+
+    def stage_devices(self, pp: int, dp: int) -> list[Device]:
+        """Per pipeline rank: the weakest of its ``dp`` replicas' devices (DDP waits for the slowest).
+
+        Ranks are laid out pipeline outermost, as in :class:`stagewise.comm.Layout`:
+        pipeline rank ``s`` of replica ``r`` is global rank ``s * dp + r``.
+        """
+        if pp * dp != self.n_devices:
+            raise ValueError(f"pp={pp} x dp={dp} = {pp * dp} ranks, but the cluster has {self.n_devices} devices")
+        out = []
+        for s in range(pp):
+            group = self.devices[s * dp : (s + 1) * dp]
+            out.append(
+                Device(
+                    memory=min(d.memory for d in group),
+                    flops=min(d.flops for d in group),
+                    memory_bandwidth=min(d.memory_bandwidth for d in group),
+                )
+            )
+        return out
+
+    def describe(self) -> str:
+        kinds: dict[Device, int] = {}
+        for d in self.devices:
+            kinds[d] = kinds.get(d, 0) + 1
+        return ", ".join(f"{n} x {format_bytes(d.memory)} at {d.flops:.3g} FLOP/s" for d, n in kinds.items())
+
+
+_GROUP = re.compile(r"^\s*(\d+)\s*x\s*([^@]+?)\s*@\s*([0-9.eE+-]+)\s*$")
+
+
+def parse_devices(text: str) -> tuple[Device, ...]:
+    """Devices from ``"COUNTxMEMORY@FLOPS,..."``, e.g. ``"4x80GiB@400e12,4x40GiB@150e12"`` (rank order)."""
+    devices: list[Device] = []
+    for part in text.split(","):
+        match = _GROUP.match(part)
+        if match is None:
+            raise ValueError(
+                f"cannot read the device group {part.strip()!r}; write COUNTxMEMORY@FLOPS, e.g. 8x80GiB@400e12"
+            )
+        count, memory, flops = int(match[1]), parse_bytes(match[2]), float(match[3])
+        if count < 1:
+            raise ValueError(f"a device group needs at least one device, got {count} in {part.strip()!r}")
+        devices += [Device(memory, flops)] * count
+    return tuple(devices)

@@ -1,0 +1,221 @@
+"""Workload: what a model costs per layer for one micro-batch, profiled on meta, measured alone, or under load."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias, cast
+
+import torch
+from torch import nn
+
+from stagewise.comm import Payload, as_tensors, launch
+from stagewise.models import preset
+from stagewise.partition import LayerCost, layers_of, profile, shared_parameters
+from stagewise.pipeline import LossFn
+
+Built: TypeAlias = "tuple[nn.Module, Payload, tuple[LossFn, Payload] | None]"
+"""What a model builder returns: the model on the meta device, one micro-batch of input, the loss and a target."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the profiled layers (one micro-batch of ``profiled_batch`` samples) and the batch."""
+
+    costs: tuple[LayerCost, ...]
+    """Per layer: parameters, FLOPs, activation bytes, and time when measured."""
+    profiled_batch: int
+    """Samples in the micro-batch the costs were measured on."""
+    global_batch: int
+    """Samples per optimizer step over all replicas."""
+    input_bytes: int
+    """Bytes of one profiled micro-batch of the first layer's input."""
+    tokens_per_sample: int = 1
+    """For throughput: tokens in one sample (the sequence length of a language model)."""
+    state_multiplier: float = 4.0
+    """Copies of each parameter kept: 4 for fp32 Adam (weights, gradients, two moments), 2 for SGD."""
+    optimizer_seconds_per_param: float | None = None
+    """Measured optimizer-step time per parameter; None derives it from the device's memory bandwidth."""
+    loss_seconds: tuple[float, float] = (0.0, 0.0)
+    """Forward and backward seconds of the loss on one profiled micro-batch, when measured."""
+    shared: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """Parameters several layers use (tied weights): those layers' indices and the bytes. Copies on different
+    ranks have their gradients summed every step."""
+
+
+def measure_optimizer(device: torch.device, *, params: int = 1 << 24, repeats: int = 5) -> float:
+    """Seconds per parameter of one AdamW step on ``device`` (median of ``repeats``)."""
+    weight = torch.nn.Parameter(torch.zeros(params, device=device))
+    weight.grad = torch.ones_like(weight)
+    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:]) / params
+
+
+def measure_loss(
+    model: nn.Module, sample: Payload, loss: tuple[LossFn, Payload], device: torch.device, *, repeats: int = 5
+) -> tuple[float, float]:
+    """Forward and backward seconds of ``loss_fn(output, target)`` on ``device`` (medians of ``repeats``)."""
+    loss_fn, target = loss
+    with torch.device("meta"):
+        shape = model(_to(sample, torch.device("meta")))
+    outputs = _to(shape, device, random=True)
+    target = _to(target, device)
+    forward, backward = [], []
+    for _ in range(repeats + 1):
+        inputs = _to(outputs, device, fresh=True)
+        began = time.perf_counter()
+        value = loss_fn(inputs, target)
+        _sync(device)
+        middle = time.perf_counter()
+        torch.autograd.backward([value])
+        _sync(device)
+        forward.append(middle - began)
+        backward.append(time.perf_counter() - middle)
+    return statistics.median(forward[1:]), statistics.median(backward[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _to(payload: Any, device: torch.device, *, random: bool = False, fresh: bool = False) -> Any:
+    """``payload`` on ``device``: as is, as random values of its shape, or as fresh leaves that require grad."""
+    tensors, is_tuple = as_tensors(payload)
+    out = []
+    for t in tensors:
+        if random:
+            t = torch.randn(t.shape, device=device) if t.is_floating_point() else torch.zeros(t.shape, device=device)
+        elif fresh:
+            t = t.detach().clone().requires_grad_(t.is_floating_point())
+        else:
+            t = t.to(device)
+        out.append(t)
+    return tuple(out) if is_tuple else out[0]
+
+
+def workload(
+    model: nn.Module,
+    sample: Payload,
+    *,
+    global_batch: int,
+    tokens_per_sample: int = 1,
+    state_multiplier: float = 4.0,
+    measure_on: torch.device | str | None = None,
+    loss: tuple[LossFn, Payload] | None = None,
+) -> Workload:
+    """Profile ``model`` (on the meta device, or timed on ``measure_on``) for one micro-batch ``sample``.
+
+    Timing runs with one intra-op thread on the CPU, as each rank of
+    ``stagewise train`` does, and also measures the optimizer step and, given
+    ``loss=(loss_fn, target)`` for the micro-batch, the loss.
+    """
+    tensors, _ = as_tensors(sample)
+    batch = int(tensors[0].shape[0])
+    per_param = None
+    loss_seconds = (0.0, 0.0)
+    if measure_on is not None:
+        device = torch.device(measure_on)
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            costs = profile(model, sample, time=True, device=device)
+            per_param = measure_optimizer(device)
+            if loss is not None:
+                loss_seconds = measure_loss(model, sample, loss, device)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        costs = profile(model, sample)
+    layers = layers_of(model)
+    shared = []
+    for tie in shared_parameters(layers):
+        param = dict(layers[tie.indices[0]].module.named_parameters())[tie.attributes[0]]
+        shared.append((tie.indices, param.numel() * param.element_size()))
+    return Workload(
+        costs=tuple(costs),
+        shared=tuple(shared),
+        profiled_batch=batch,
+        global_batch=global_batch,
+        input_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        tokens_per_sample=tokens_per_sample,
+        state_multiplier=state_multiplier,
+        optimizer_seconds_per_param=per_param,
+        loss_seconds=loss_seconds,
+    )
+
+
+def preset_model(name: str, micro_batch: int, seq_len: int | None) -> Built:
+    """A preset on the meta device, one micro-batch of its input, and its loss with a target for that input."""
+    config = preset(name)
+    sample = config.example(micro_batch, seq_len)
+    return config.build(device="meta"), sample, (cast(LossFn, config.loss), config.target(micro_batch, seq_len))
+
+
+def _profile_rank(
+    build: Callable[..., Built], args: tuple[Any, ...], options: Any, flag: str | None = None
+) -> Workload | None:
+    """Rank 0 profiles; the other ranks run the same layers meanwhile, to load the machine as training does."""
+    model, sample, loss = build(*args)
+    rank = int(os.environ.get("RANK", "0"))
+    if flag is None or rank == 0:
+        try:
+            return workload(model, sample, loss=loss, **options)
+        finally:
+            if flag is not None:
+                Path(flag).touch()
+    torch.set_num_threads(1)
+    while not Path(flag).exists():
+        profile(model, sample, time=True, device=options["measure_on"], warmup=0, repeats=1)
+    return None
+
+
+def workload_under_load(
+    build: Callable[..., Built],
+    args: tuple[Any, ...],
+    *,
+    concurrent: int,
+    global_batch: int,
+    tokens_per_sample: int = 1,
+    state_multiplier: float = 4.0,
+    measure_on: str = "cpu",
+) -> Workload:
+    """Measure a workload in the first of ``concurrent`` local processes while the others run the same layers.
+
+    The ranks of a job that share one machine's cores (or memory bandwidth)
+    slow each other down, so a profile taken alone is too optimistic for
+    them; this one is taken under the same load. ``build(*args)`` must be
+    importable by the spawned processes and return the model (on the meta
+    device), one micro-batch of its input, and the loss with its target (or None).
+    """
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1, got {concurrent}")
+    options = {
+        "global_batch": global_batch,
+        "tokens_per_sample": tokens_per_sample,
+        "state_multiplier": state_multiplier,
+        "measure_on": measure_on,
+    }
+    if concurrent == 1:
+        alone = _profile_rank(build, args, options)
+        assert alone is not None
+        return alone
+    with tempfile.TemporaryDirectory(prefix="stagewise-plan-") as folder:
+        measured = launch(_profile_rank, concurrent, build, args, options, str(Path(folder) / "done"))[0]
+    assert measured is not None
+    return measured

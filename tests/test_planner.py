@@ -1,0 +1,93 @@
+"""plan(): layouts that fit, ranked by simulated step time; clear answers when nothing fits; mixed devices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stagewise.cli import main
+from stagewise.cluster import Cluster, Device, parse_devices
+from stagewise.models import preset
+from stagewise.planner import Option, evaluate, load_plan, plan
+from stagewise.workload import Workload, workload
+
+GiB = 2**30
+
+
+def gpt_workload(name: str, batch: int, seq: int) -> Workload:
+    config = preset(name)
+    return workload(config.build(device="meta"), config.example(1, seq), global_batch=batch, tokens_per_sample=seq)
+
+
+@pytest.fixture(scope="module")
+def seventy() -> Workload:
+    return gpt_workload("gpt-70b", 512, 4096)
+
+
+def test_seventy_billion_on_64_gpus_fits_and_never_exceeds_memory(seventy: Workload) -> None:
+    cluster = Cluster((Device(80 * GiB, 400e12),) * 64)
+    result = plan(seventy, cluster)
+    assert result.best is not None and result.smallest_memory is None
+    for option in result.options:
+        assert max(option.rank_memory) <= 80 * GiB, option.describe()
+        assert option.partition is not None and option.partition.n_stages == option.pp * option.n_virtual
+    times = [o.step_time for o in result.options]
+    assert times == sorted(times)
+    reasons = [o.rejected for o in result.rejected]
+    assert any(r and "GiB > 80.0 GiB (in the leanest split)" in r for r in reasons)
+
+
+def test_a_model_that_cannot_fit_says_how_much_memory_it_needs(seventy: Workload) -> None:
+    small = Cluster((Device(16 * GiB, 100e12),) * 4)
+    result = plan(seventy, small)
+    assert result.best is None and result.options == ()
+    assert result.smallest_memory is not None and result.smallest_memory > 16 * GiB
+    # 70e9 parameters with Adam's 16 bytes each cannot go below their share of 4 devices.
+    assert result.smallest_memory >= 70e9 * 16 / 4
+
+
+def test_mixed_devices_shape_the_partition() -> None:
+    work = gpt_workload("gpt-small", 16, 256)
+    same = evaluate(Option(2, 1, 1, 4, "1f1b", False), work, Cluster((Device(80 * GiB, 100e12),) * 2))
+    mixed = evaluate(
+        Option(2, 1, 1, 4, "1f1b", False), work, Cluster((Device(80 * GiB, 100e12), Device(80 * GiB, 300e12)))
+    )
+    assert same.partition is not None and mixed.partition is not None
+    # The second device is 3x faster, so it gets more of the model and the step gets shorter.
+    assert mixed.partition.bounds[1] < same.partition.bounds[1]
+    assert mixed.step_time < same.step_time
+    assert parse_devices("2x80GiB@1e14,1x40GiB@3e13")[2] == Device(40 * GiB, 3e13)
+    with pytest.raises(ValueError, match=r"cannot read the device group '2x80GiB'; write COUNTxMEMORY@FLOPS"):
+        parse_devices("2x80GiB")
+
+
+def test_one_stage_has_no_bubble_and_bad_layouts_are_named() -> None:
+    work = gpt_workload("gpt-tiny", 12, 64)
+    cluster = Cluster((Device(8 * GiB, 1e12),) * 2)
+    one = evaluate(Option(1, 2, 1, 2, "1f1b", False), work, cluster)
+    assert one.rejected is None and one.bubble == pytest.approx(0.0)
+    assert evaluate(Option(2, 1, 1, 5, "1f1b", False), work, cluster).rejected == (
+        "batch 12 per replica not divisible by m=5"
+    )
+    three = Cluster((Device(8 * GiB, 1e12),) * 3)
+    assert evaluate(Option(1, 3, 1, 1, "1f1b", False), gpt_workload("gpt-tiny", 10, 64), three).rejected == (
+        "global batch 10 not divisible by dp=3"
+    )
+
+
+def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "1GiB", "--global-batch", "8"]
+    assert main([*argv, "--seq-len", "32", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "best: " in text and "peak memory per rank" in text
+    chosen = load_plan(out.read_text())
+    assert chosen["stages"] * chosen["dp"] == 2 and chosen["seq_len"] == 32
+    assert main(["plan", "--model", "gpt-70b", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "2"]) == 1
+    assert "no layout fits 2 devices; it would need at least" in capsys.readouterr().out
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"model": "gpt-tiny"}))
+    assert main(["train", "--plan", str(broken)]) == 2
+    assert "the plan lacks ['stages', 'dp'" in capsys.readouterr().err
