@@ -3,6 +3,7 @@
 from stagewise import comm, models, partition, pipeline
 from stagewise.partition import LayerCost, Partition, auto, balance, layers_of, profile
 from stagewise.pipeline import Pipeline
+from stagewise.planner import Plan, plan
 
 __version__ = "0.1.0"
 
@@ -10,6 +11,7 @@ __all__ = [
     "LayerCost",
     "Partition",
     "Pipeline",
+    "Plan",
     "__version__",
     "auto",
     "balance",
@@ -18,5 +20,6 @@ __all__ = [
     "models",
     "partition",
     "pipeline",
+    "plan",
     "profile",
 ]
