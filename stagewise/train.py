@@ -18,7 +18,7 @@ from stagewise.comm import init_mesh
 from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
 from stagewise.models.text import text_splits
 from stagewise.partition import Partition, auto
-from stagewise.pipeline import Batch, DataParallel, LossFn, Pipeline, ScheduleName, StageLoader
+from stagewise.pipeline import Batch, DataParallel, LossFn, NonFinite, Pipeline, ScheduleName, StageLoader
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class TrainConfig:
     """Write a Chrome/Perfetto trace of the last step here (one file per rank)."""
     timeout: float = 300.0
     """Seconds any rank waits for another before failing with a named error."""
+    nonfinite: NonFinite = "raise"
+    """On a NaN or infinite loss: "raise" (naming the step and micro-batch) or "skip" the step."""
     partition: tuple[int, ...] | None = None
     """Stage boundaries to use (e.g. from ``stagewise plan``) instead of splitting by FLOPs."""
 
@@ -131,6 +133,8 @@ class Summary:
     tokens_per_sample: int = 1
     checkpoint: str | None = None
     """The last checkpoint written."""
+    skipped: list[int] = field(default_factory=list)
+    """Steps skipped for a non-finite loss."""
 
     def throughput(self) -> float:
         """Tokens (or samples) per second over the run's steps after the first."""
@@ -218,6 +222,7 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
         seed=config.seed,
         timeout=config.timeout,
         data_parallel=DataParallel(),
+        nonfinite=config.nonfinite,
     )
 
 
@@ -263,9 +268,12 @@ def train(
         if config.trace is not None and step == config.steps - 1:
             pipe.trace = Path(config.trace)
         loss = float(pipe.step(batch.inputs, batch.targets))
-        if config.clip > 0:
-            pipe.clip_grad_norm_(config.clip)
-        optimizer.step()
+        if pipe.skipped:
+            summary.skipped.append(step + 1)
+        else:
+            if config.clip > 0:
+                pipe.clip_grad_norm_(config.clip)
+            optimizer.step()
         seconds = time.perf_counter() - began
         summary.losses.append(loss)
         summary.step_seconds.append(seconds)

@@ -56,6 +56,10 @@ def add(commands: Any) -> None:
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: at end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--trace", default=d.trace, help="write a Chrome trace of the last step here (per rank)")
+    p.add_argument(
+        "--skip-nonfinite", dest="nonfinite", action="store_const", const="skip", default="raise",
+        help="skip a step whose loss is NaN or infinite (default: stop with an error naming it)",
+    )  # fmt: skip
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a rank waits for another")
     p.add_argument("--plan", type=Path, default=None, help="a plan from `stagewise plan --json` (sets the layout)")
     p.add_argument("--out", type=Path, default=Path("stagewise-run"), help="folder for summary.json and loss.png")

@@ -8,7 +8,7 @@ from stagewise.pipeline.engine import Event, ScheduleError
 from stagewise.pipeline.executor import LossFn
 from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.microbatch import LossReduction
-from stagewise.pipeline.pipe import Pipeline
+from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
 from stagewise.pipeline.render import render, to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.simulate import SimulationResult, StageCosts, simulate
@@ -24,6 +24,8 @@ __all__ = [
     "Kind",
     "LossFn",
     "LossReduction",
+    "NonFinite",
+    "NonFiniteLossError",
     "Pipeline",
     "Schedule",
     "ScheduleError",

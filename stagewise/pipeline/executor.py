@@ -81,6 +81,8 @@ class StepResult:
     """Each action as it really ran, in seconds from the start."""
     spans: list[Span]
     """Time spent waiting for transfers."""
+    microbatch_losses: list[torch.Tensor] = field(default_factory=list)
+    """On the rank of the last stage: each micro-batch's loss as ``loss_fn`` returned it, detached."""
 
 
 class Executor:
@@ -157,7 +159,7 @@ class Executor:
         for i, action in enumerate(actions):
             run.act(i, action)
         self.transport.wait_sends()
-        return StepResult(run.total, run.outputs, run.events, run.spans)
+        return StepResult(run.total, run.outputs, run.events, run.spans, run.losses)
 
 
 class _Run:
@@ -186,6 +188,7 @@ class _Run:
         self.spans: list[Span] = []
         self.outputs: list[Payload] = []
         self.total: torch.Tensor | None = None
+        self.losses: list[torch.Tensor] = []
         self.sync = sync_points(actions) if training and executor.replicas is not None else set()
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
 
@@ -274,6 +277,7 @@ class _Run:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"loss_fn must return a scalar tensor, got {got}; reduce it over the micro-batch")
+        self.losses.append(loss.detach())
         slot.loss = loss * self.targets.weights[mb]
         value = slot.loss.detach()
         self.total = value if self.total is None else self.total + value

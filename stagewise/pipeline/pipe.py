@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,13 @@ from stagewise.pipeline.tied import Ties, retie
 from stagewise.pipeline.validate import validate
 
 log = logging.getLogger(__name__)
+
+NonFinite = Literal["raise", "skip"]
+"""What :meth:`Pipeline.step` does when the loss is NaN or infinite."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a step was NaN or infinite; the message names the step and the first bad micro-batch."""
 
 
 class Pipeline:
@@ -71,6 +79,9 @@ class Pipeline:
         timeout: bound on every wait for another rank, in seconds.
         trace: write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added).
         data_parallel: DDP's options for the replicas of each stage when the mesh has ``dp > 1``.
+        nonfinite: when the loss is NaN or infinite, "raise" :class:`NonFiniteLossError` naming the step and
+            micro-batch (on every rank), or "skip" the step: its gradients are dropped (set to None, so the
+            optimizer's step changes nothing) and :attr:`skipped` is True.
     """
 
     def __init__(
@@ -91,6 +102,7 @@ class Pipeline:
         timeout: float = 300.0,
         trace: str | Path | None = None,
         data_parallel: DataParallel | None = None,
+        nonfinite: NonFinite = "raise",
     ) -> None:
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
@@ -127,6 +139,14 @@ class Pipeline:
                 f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
                 f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
             )
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+        self.nonfinite: NonFinite = nonfinite
+        self.steps = 0
+        """Calls of :meth:`step` so far."""
+        self.skipped = False
+        """Whether the last step was skipped for a non-finite loss."""
+        self._bad_microbatch, self._bad_replica = -1, 0
         if data_parallel is not None and not isinstance(data_parallel, DataParallel):
             raise TypeError(f"data_parallel must be a stagewise DataParallel, got {type(data_parallel).__name__}")
         self.device = torch.device(device) if device is not None else self.mesh.device
@@ -254,7 +274,22 @@ class Pipeline:
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
         self.ties.sum_gradients()
         self._record(result)
-        return self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0)
+        self.steps += 1
+        bad = next((i for i, v in enumerate(result.microbatch_losses) if not bool(torch.isfinite(v).all())), -1)
+        loss = self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0, bad_microbatch=bad)
+        self.skipped = not bool(torch.isfinite(loss))
+        if self.skipped:
+            where = self._bad_microbatch
+            which = f"micro-batch {where} of replica {self._bad_replica}" if where >= 0 else "in another replica"
+            message = f"the loss is {float(loss)} at step {self.steps} (first non-finite: {which})"
+            if self.nonfinite == "raise":
+                raise NonFiniteLossError(
+                    f"{message}; lower the learning rate, check the data, or pass nonfinite='skip' to drop such steps"
+                )
+            log.warning("%s: skipping the step (its gradients are dropped)", message)
+            for param in self.parameters():
+                param.grad = None
+        return loss
 
     def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
         """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`."""
@@ -270,18 +305,24 @@ class Pipeline:
                 loss = self.loss_fn(outputs, target)
         return self._share_loss(loss, samples)
 
-    def _share_loss(self, loss: torch.Tensor | None, samples: int) -> torch.Tensor:
-        """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline."""
+    def _share_loss(self, loss: torch.Tensor | None, samples: int, *, bad_microbatch: int = -1) -> torch.Tensor:
+        """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline.
+
+        ``bad_microbatch`` (the first micro-batch with a non-finite loss, or -1)
+        travels too, to :attr:`_bad_microbatch` and :attr:`_bad_replica`.
+        """
         loss = (loss if loss is not None else torch.zeros((), device=self.device)).detach()
         loss = loss.to(self.device, torch.float32)
         smallest = largest = 0
         if self.is_last and self.replicas is not None:
             whole = combine_losses(loss, samples, group=self.mesh.dp_group, mean=self.loss_reduction == "mean")
             loss, smallest, largest = whole.loss, whole.smallest, whole.largest
-        packet = torch.tensor([float(loss), smallest, largest], dtype=torch.float64, device=self.device)
+        values = [float(loss), smallest, largest, bad_microbatch]
+        packet = torch.tensor(values, dtype=torch.float64, device=self.device)
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
         dist.broadcast(packet, src=last, group=self.mesh.pp_group)
         smallest, largest = int(packet[1]), int(packet[2])
+        self._bad_microbatch, self._bad_replica = int(packet[3]), self.mesh.replica
         if self.loss_reduction == "mean" and smallest != largest:
             raise ValueError(
                 f"the replicas' batches differ in size ({smallest} to {largest} samples), but DDP averages their "

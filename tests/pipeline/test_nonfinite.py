@@ -1,0 +1,101 @@
+"""A NaN or infinite loss is never trained on silently: it raises, naming step and micro-batch, or is skipped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from multiproc import run_ranks
+from torch import nn
+
+from stagewise.comm import LaunchError, init_mesh
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline
+
+
+def poisoned(policy: str) -> dict[str, Any]:
+    """Three SGD steps; micro-batch 1 of step 2 holds an infinite input."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = Pipeline(
+        model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss, mesh=mesh,
+        timeout=20, nonfinite=policy,  # type: ignore[arg-type]
+    )  # fmt: skip
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    skipped, snapshots = [], []
+    for step in range(3):
+        x, y = torch.randn(6, 4), torch.randn(6, 2)
+        if step == 1:
+            x[2, 0] = float("inf")  # rows 2-3 form micro-batch 1
+        opt.zero_grad()
+        pipe.step(x, y)
+        skipped.append(pipe.skipped)
+        opt.step()
+        snapshots.append({n: p.detach().clone() for n, p in pipe.named_parameters()})
+    dist.destroy_process_group()
+    return {"skipped": skipped, "snapshots": snapshots}
+
+
+def test_a_non_finite_loss_raises_with_step_and_microbatch() -> None:
+    try:
+        run_ranks(poisoned, 2, "raise", timeout=120)
+    except LaunchError as err:
+        messages = [f.message for f in err.failures]
+        assert any("at step 2 (first non-finite: micro-batch 1 of replica 0)" in m for m in messages), messages
+        assert any("NonFiniteLossError" in m or "the loss is nan" in m for m in messages), messages
+    else:
+        raise AssertionError("training went on through a NaN loss")
+
+
+def test_skip_drops_the_step_and_training_goes_on() -> None:
+    results = run_ranks(poisoned, 2, "skip", timeout=120)
+    for got in results.values():
+        assert got["skipped"] == [False, True, False]
+        before, during, after = got["snapshots"]
+        for name in before:
+            assert torch.equal(before[name], during[name]), name  # the bad step changed nothing
+            assert torch.isfinite(after[name]).all() and not torch.equal(during[name], after[name]), name
+
+
+def without_pickle() -> int:
+    """Training steps with every pickle entry point replaced by one that fails: the loop must not pickle."""
+    import pickle
+
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = Pipeline(model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss, mesh=mesh)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("pickle was used during a training step")
+
+    import torch.distributed.distributed_c10d as c10d
+
+    # torch's object collectives keep their own aliases of the pickler: replace those too.
+    targets = [(pickle, n) for n in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler")]
+    targets += [(c10d, "_pickler"), (c10d, "_unpickler")]
+    saved = {(module, name): getattr(module, name) for module, name in targets}
+    for module, name in saved:
+        setattr(module, name, refuse)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            x = torch.randn(5 + step, 4)  # shapes change, so metadata travels again
+            pipe.step(x, torch.randn(5 + step, 2))
+            pipe.clip_grad_norm_(1.0)
+            opt.step()
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+    dist.destroy_process_group()
+    return pipe.steps
+
+
+def test_training_steps_pickle_nothing() -> None:
+    assert run_ranks(without_pickle, 2, timeout=120) == {0: 3, 1: 3}
