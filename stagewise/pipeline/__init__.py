@@ -5,7 +5,7 @@ from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
-from stagewise.pipeline.executor import LossFn
+from stagewise.pipeline.executor import LossFn, StageError
 from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.microbatch import LossReduction
 from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
@@ -34,6 +34,7 @@ __all__ = [
     "SimulationResult",
     "Span",
     "StageCosts",
+    "StageError",
     "StageLoader",
     "build",
     "clip_grad_norm_",

@@ -50,6 +50,20 @@ def handed_over(payload: Payload) -> Payload:
     return out if is_tuple else out[0]
 
 
+class StageError(RuntimeError):
+    """A stage's layers failed on what they were given; the message names the stage, its layers and the input."""
+
+
+def _failed(stage: StageModule, mb: int, data: object, err: BaseException) -> str:
+    tensors, _ = as_tensors(data)
+    got = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+    source = f"which stage {stage.index - 1} sent" if stage.index > 0 else "the inputs passed to step()"
+    return (
+        f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
+        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+    )
+
+
 def _pack(grads: Sequence[torch.Tensor]) -> Payload:
     return grads[0] if len(grads) == 1 else tuple(grads)
 
@@ -253,7 +267,10 @@ class _Run:
         else:
             data = self.handoff.pop((s, mb))
         owners: list[tuple[nn.Module, object]] = []
-        out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None)
+        try:
+            out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None)
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise StageError(_failed(x.stages[s], mb, data, err)) from err
         slot = _Slot(inputs=data, output=out, owners=owners, received=received)  # type: ignore[arg-type]
         if s == x.last:
             if self.training:

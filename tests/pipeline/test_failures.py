@@ -1,4 +1,4 @@
-"""A NaN or infinite loss is never trained on silently: it raises, naming step and micro-batch, or is skipped."""
+"""Bad steps fail loudly: a non-finite loss raises or is skipped, a stage names what it could not take, nothing is pickled."""
 
 from __future__ import annotations
 
@@ -99,3 +99,32 @@ def without_pickle() -> int:
 
 def test_training_steps_pickle_nothing() -> None:
     assert run_ranks(without_pickle, 2, timeout=120) == {0: 3, 1: 3}
+
+
+def mismatched(case: str) -> None:
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    width = 5 if case == "shape" else 4  # stage 1 expects 5 features but stage 0 makes 4
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(width, 2))
+    pipe = Pipeline(model, Partition.from_bounds((0, 2, 3)), n_microbatches=2, loss_fn=F.mse_loss, mesh=mesh, timeout=5)
+    x = torch.randn(4, 4, dtype=torch.float64 if case == "dtype" else torch.float32)
+    pipe.step(x, torch.randn(4, 2))
+
+
+def test_a_stage_that_cannot_take_its_input_names_both_stages() -> None:
+    try:
+        run_ranks(mismatched, 2, "shape", timeout=120)
+    except LaunchError as err:
+        first = err.failures[0].message
+        assert "stage 1 (layers 2 .. 2) failed in the forward of micro-batch 0 on its input [(2, 4) float32], " in first
+        assert "which stage 0 sent: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in first
+    else:
+        raise AssertionError("mismatched stages trained")
+    try:
+        run_ranks(mismatched, 2, "dtype", timeout=120)
+    except LaunchError as err:
+        first = err.failures[0].message
+        assert "stage 0 (layers 0 .. 1) failed in the forward of micro-batch 0 on its input [(2, 4) float64], " in first
+        assert "the inputs passed to step(): RuntimeError:" in first
+    else:
+        raise AssertionError("a float64 input trained on float32 weights")
