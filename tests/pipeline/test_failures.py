@@ -1,4 +1,4 @@
-"""Bad steps fail loudly: a non-finite loss raises or is skipped, a stage names what it could not take, nothing is pickled."""
+"""Bad steps fail loudly: a NaN loss raises or is skipped, a stage names the input it could not take, no pickling."""
 
 from __future__ import annotations
 
