@@ -13,7 +13,7 @@ from typing import Any, get_args
 import torch
 
 from stagewise.cli import args
-from stagewise.comm import launch
+from stagewise.comm import Layout, launch
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.pipeline import Pipeline, ScheduleName
 from stagewise.planner import load_plan
@@ -61,6 +61,10 @@ def add(commands: Any) -> None:
         help="skip a step whose loss is NaN or infinite (default: stop with an error naming it)",
     )  # fmt: skip
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a rank waits for another")
+    p.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="restart all local processes this often after a failure, resuming from the latest checkpoint",
+    )  # fmt: skip
     p.add_argument("--plan", type=Path, default=None, help="a plan from `stagewise plan --json` (sets the layout)")
     p.add_argument("--out", type=Path, default=Path("stagewise-run"), help="folder for summary.json and loss.png")
 
@@ -157,7 +161,21 @@ def run(ns: argparse.Namespace) -> int:
     else:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         on_gpus = gpus >= config.world_size
-        results = launch(run_rank, config.world_size, config, device="auto" if on_gpus else "cpu", tee=False)
+        if ns.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
+        if ns.max_restarts and config.checkpoint_dir is None:
+            raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
+        if ns.max_restarts:
+            config = dataclasses.replace(config, resume=True)  # a restart continues from the latest checkpoint
+        results = launch(
+            run_rank,
+            config.world_size,
+            config,
+            device="auto" if on_gpus else "cpu",
+            tee=False,
+            max_restarts=ns.max_restarts,
+            layout=Layout(config.stages, config.dp),
+        )
         summary = results[0]
     for line in report(summary, ns.out):
         print(line)

@@ -18,6 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from typing_extensions import Unpack
 
+from stagewise.comm.mesh import Layout
+
 T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
@@ -35,6 +37,12 @@ class RankFailure:
     """The exception (``ValueError: ...``) or the signal it died of."""
     traceback: str
     """The rank's Python traceback, or the end of its stderr, when there is one."""
+    where: str = ""
+    """Its place in the job, e.g. ``stage 1, replica 0``, when the launch was given the layout."""
+
+    @property
+    def who(self) -> str:
+        return f"rank {self.rank} ({self.where})" if self.where else f"rank {self.rank}"
 
 
 class LaunchError(RuntimeError):
@@ -43,11 +51,11 @@ class LaunchError(RuntimeError):
     def __init__(self, failures: Sequence[RankFailure]) -> None:
         self.failures = tuple(failures)
         first = self.failures[0]
-        lines = [f"rank {first.rank} failed (exit code {first.exitcode}): {first.message}"]
+        lines = [f"{first.who} failed (exit code {first.exitcode}): {first.message}"]
         if first.traceback:
             lines.append(first.traceback.rstrip())
         for other in self.failures[1:]:
-            lines.append(f"rank {other.rank} also failed (exit code {other.exitcode}): {other.message}")
+            lines.append(f"{other.who} also failed (exit code {other.exitcode}): {other.message}")
         super().__init__("\n".join(lines))
 
     def __reduce__(self) -> tuple[type[LaunchError], tuple[tuple[RankFailure, ...]]]:
@@ -84,7 +92,7 @@ def _stderr_tail(log_dir: Path, local_rank: int, lines: int = 30) -> str:
     return "\n".join(text[-lines:])
 
 
-def _failures(err: ChildFailedError, log_dir: Path) -> list[RankFailure]:
+def _failures(err: ChildFailedError, log_dir: Path, layout: Layout | None = None) -> list[RankFailure]:
     found = []
     for rank, failure in sorted(err.failures.items(), key=lambda item: (item[1].timestamp, item[0])):
         message: Any = failure.message
@@ -95,7 +103,13 @@ def _failures(err: ChildFailedError, log_dir: Path) -> list[RankFailure]:
             text, trace = str(message), ""
         if not trace:
             trace = _stderr_tail(log_dir, failure.local_rank)
-        found.append(RankFailure(rank, failure.exitcode, text, trace))
+        where = ""
+        if layout is not None and 0 <= rank < layout.world_size:
+            place = layout.coords(rank)
+            where = f"stage {place.stage}, replica {place.replica}"
+        if failure.exitcode < 0 and not text:
+            text = f"killed by signal {-failure.exitcode}"
+        found.append(RankFailure(rank, failure.exitcode, text, trace, where))
     return found
 
 
@@ -120,6 +134,8 @@ class LaunchOptions(TypedDict, total=False):
     """OMP_NUM_THREADS of the processes (default 1); None leaves it alone."""
     env: Mapping[str, str]
     """More environment variables for the processes."""
+    layout: Layout
+    """The job's ``pp x dp`` layout, so that a failure names the rank's stage and replica."""
     tee: bool
     """Copy each process's output to ours with a ``[rank]`` prefix (default); False lets them write to our
     terminal directly, as a progress bar needs."""
@@ -197,5 +213,5 @@ def _run(
             with _environment(children):
                 result = elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
-            raise LaunchError(_failures(err, Path(logs))) from None
+            raise LaunchError(_failures(err, Path(logs), options.get("layout"))) from None
     return dict(result or {})

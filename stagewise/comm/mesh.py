@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,21 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
 
 
+def _attempt_store(world: int, timeout: timedelta) -> Store | None:
+    """Under torchrun's agent store, a store whose keys belong to this restart attempt alone.
+
+    After a restart the agent hands the new workers the same store as the
+    failed attempt's, whose keys still hold the dead processes' addresses;
+    gloo would try to connect to them. Prefixing the keys with the attempt
+    keeps each attempt's rendezvous apart. Elsewhere: None (``env://``).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    client = TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world, is_master=False, timeout=timeout)
+    return PrefixStore(f"stagewise/attempt_{attempt}", client)
+
+
 def choose_backend(local_world_size: int) -> Backend:
     """NCCL when CUDA has a GPU for every local rank, gloo otherwise."""
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size:
@@ -226,7 +242,15 @@ def init_mesh(
     if chosen == "nccl":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(chosen, timeout=wait, device_id=device if chosen == "nccl" else None)
+        store = _attempt_store(world, wait)
+        dist.init_process_group(
+            chosen,
+            timeout=wait,
+            device_id=device if chosen == "nccl" else None,
+            store=store,
+            rank=rank if store is not None else -1,
+            world_size=world if store is not None else -1,
+        )
     mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     result = PipelineMesh(mesh, layout, rank, device, chosen, wait)
     log.info("%s", result.describe())

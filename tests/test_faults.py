@@ -1,0 +1,114 @@
+"""A rank killed in forward, backward, the optimizer step or a checkpoint save: the job ends fast and says who died.
+
+With restarts, the job resumes from the last complete checkpoint and ends with
+the parameters of a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from multiproc import run_ranks
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from stagewise import checkpoint
+from stagewise.comm import LaunchError, Layout
+from stagewise.pipeline import Pipeline
+from stagewise.train import TrainConfig, train
+
+BASE = TrainConfig(
+    model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
+    checkpoint_every=2, timeout=60,
+)  # fmt: skip
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed(phase: str, root: str) -> None:
+    """Train on 2 ranks; rank 1 kills itself with SIGKILL in ``phase`` of step 4."""
+    torch.set_num_threads(1)
+    victim = int(os.environ["RANK"]) == 1
+    calls = {"forward": 0, "backward": 0}
+
+    def arm(pipe: Pipeline) -> None:
+        if not victim:
+            return
+        layer = next(iter(pipe.stages.values())).layers[0]
+
+        def count(kind: str) -> None:
+            calls[kind] += 1
+            if kind == phase and calls[kind] > 3 * BASE.microbatches:  # in step 4
+                _die()
+
+        layer.register_forward_pre_hook(lambda *_: count("forward"))
+        layer.register_full_backward_pre_hook(lambda *_: count("backward"))
+        if phase == "optimizer":
+            steps = [0]
+
+            def before_step(*_: Any) -> None:
+                steps[0] += 1
+                if steps[0] == 4:
+                    _die()
+
+            register_optimizer_step_pre_hook(before_step)
+        if phase == "checkpoint":
+            real = checkpoint.dcp_save
+
+            def dying(*args: Any, **kwargs: Any) -> Any:
+                if pipe.steps == 4:  # the second save: the first one stays the latest complete checkpoint
+                    _die()
+                return real(*args, **kwargs)
+
+            checkpoint.dcp_save = dying  # type: ignore[assignment]
+
+    train(dataclasses.replace(BASE, checkpoint_dir=root), on_start=arm)
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer", "checkpoint"])
+def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: Path) -> None:
+    began = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        run_ranks(killed, 2, phase, str(tmp_path), timeout=150, layout=Layout(2, 1))
+    assert time.monotonic() - began < 60 + 15  # the survivor is stopped well within 60 s (plus start-up)
+    dead = [f for f in info.value.failures if f.rank == 1]
+    assert dead and dead[0].exitcode == -signal.SIGKILL, info.value.failures
+    assert str(info.value).startswith("rank 1 (stage 1, replica 0) failed (exit code -9)"), str(info.value)
+    if phase == "checkpoint":
+        last = checkpoint.latest(tmp_path)
+        assert last is not None and last.name == "step-00000002"  # the cut-off save does not count
+        assert checkpoint.export(last, tmp_path / "model.pt").stat().st_size > 0
+
+
+def interrupted(root: str) -> list[float]:
+    """Train with resume on; in the first attempt rank 1 dies after step 5 (the last checkpoint is step 4's)."""
+    torch.set_num_threads(1)
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+
+    def maybe_die(step: int, loss: float, seconds: float) -> None:
+        if first_attempt and int(os.environ["RANK"]) == 1 and step == 5:
+            _die()
+
+    return train(dataclasses.replace(BASE, checkpoint_dir=root, resume=True), on_step=maybe_die).losses
+
+
+def straight(root: str) -> list[float]:
+    torch.set_num_threads(1)
+    return train(dataclasses.replace(BASE, checkpoint_dir=root)).losses
+
+
+def test_a_restarted_job_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    whole = run_ranks(straight, 2, str(tmp_path / "whole"), timeout=150)[0]
+    resumed = run_ranks(interrupted, 2, str(tmp_path / "restarted"), timeout=200, max_restarts=1)[0]
+    assert resumed == whole[4:]  # the restart continued from the checkpoint of step 4, bit for bit
+    a = torch.load(checkpoint.export(tmp_path / "whole" / "step-00000006", tmp_path / "a.pt"), weights_only=True)
+    b = torch.load(checkpoint.export(tmp_path / "restarted" / "step-00000006", tmp_path / "b.pt"), weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
