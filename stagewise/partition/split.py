@@ -7,6 +7,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from torch import nn
+from torch.distributed.pipelining import SplitPoint
+
 from stagewise.units import format_bytes
 
 
@@ -79,6 +82,24 @@ class Partition:
         if not 0 <= stage < self.n_stages:
             raise IndexError(f"stage {stage} out of range; this partition has {self.n_stages} stages")
         return range(self.bounds[stage], self.bounds[stage + 1])
+
+    def split_spec(self, model: nn.Module) -> dict[str, SplitPoint]:
+        """The split points of this partition for ``torch.distributed.pipelining.pipeline()``.
+
+        Each stage after the first begins at its first layer, named by its path
+        in ``model`` (a chain; see :func:`stagewise.partition.layers_of`), so
+        torch's tracer cuts the model where this partition does:
+        ``pipeline(model, mb_args=(x,), split_spec=part.split_spec(model))``.
+        """
+        from stagewise.partition.layers import layers_of
+
+        layers = layers_of(model)
+        if len(layers) != self.n_layers:
+            raise ValueError(
+                f"this partition splits {self.n_layers} layers but the model has {len(layers)}; "
+                "partition this model's layers"
+            )
+        return {layers[b].name: SplitPoint.BEGINNING for b in self.bounds[1:-1]}
 
     def stage_of(self, layer: int) -> int:
         """The stage that owns ``layer``."""
