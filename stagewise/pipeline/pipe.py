@@ -35,6 +35,14 @@ class NonFiniteLossError(FloatingPointError):
     """The loss of a step was NaN or infinite; the message names the step and the first bad micro-batch."""
 
 
+def _first_non_finite(losses: list[torch.Tensor]) -> int:
+    """The index of the first loss that is NaN or infinite, or -1; one device sync for all of them."""
+    if not losses:
+        return -1
+    finite = torch.stack([loss.reshape(()) for loss in losses]).isfinite()
+    return -1 if bool(finite.all()) else int((~finite).nonzero()[0])
+
+
 class Pipeline:
     """A chain model split by ``partition`` and trained with ``schedule`` across the ranks of a pipeline.
 
@@ -275,7 +283,7 @@ class Pipeline:
         self.ties.sum_gradients()
         self._record(result)
         self.steps += 1
-        bad = next((i for i, v in enumerate(result.microbatch_losses) if not bool(torch.isfinite(v).all())), -1)
+        bad = _first_non_finite(result.microbatch_losses)
         loss = self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0, bad_microbatch=bad)
         self.skipped = not bool(torch.isfinite(loss))
         if self.skipped:

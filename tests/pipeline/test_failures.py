@@ -111,20 +111,19 @@ def mismatched(case: str) -> None:
     pipe.step(x, torch.randn(4, 2))
 
 
+def first_failure(case: str) -> str:
+    """The message of the first rank to fail in ``mismatched(case)``."""
+    try:
+        run_ranks(mismatched, 2, case, timeout=120)
+    except LaunchError as err:
+        return err.failures[0].message
+    raise AssertionError(f"mismatched stages ({case}) trained without an error")
+
+
 def test_a_stage_that_cannot_take_its_input_names_both_stages() -> None:
-    try:
-        run_ranks(mismatched, 2, "shape", timeout=120)
-    except LaunchError as err:
-        first = err.failures[0].message
-        assert "stage 1 (layers 2 .. 2) failed in the forward of micro-batch 0 on its input [(2, 4) float32], " in first
-        assert "which stage 0 sent: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in first
-    else:
-        raise AssertionError("mismatched stages trained")
-    try:
-        run_ranks(mismatched, 2, "dtype", timeout=120)
-    except LaunchError as err:
-        first = err.failures[0].message
-        assert "stage 0 (layers 0 .. 1) failed in the forward of micro-batch 0 on its input [(2, 4) float64], " in first
-        assert "the inputs passed to step(): RuntimeError:" in first
-    else:
-        raise AssertionError("a float64 input trained on float32 weights")
+    first = first_failure("shape")
+    assert "stage 1 (layers 2 .. 2) failed in the forward of micro-batch 0 on its input [(2, 4) float32], " in first
+    assert "which stage 0 sent: RuntimeError: mat1 and mat2 shapes cannot be multiplied" in first
+    first = first_failure("dtype")
+    assert "stage 0 (layers 0 .. 1) failed in the forward of micro-batch 0 on its input [(2, 4) float64], " in first
+    assert "the inputs passed to step(): RuntimeError:" in first
