@@ -77,7 +77,7 @@ class TrainConfig:
     resume: bool = False
     """Continue from the latest complete checkpoint in ``checkpoint_dir``."""
     trace: str | None = None
-    """Write a Chrome/Perfetto trace of the last step here (one file per rank)."""
+    """Write a Chrome/Perfetto trace of this run's last step here (one file per rank)."""
     timeout: float = 300.0
     """Seconds any rank waits for another before failing with a named error."""
     nonfinite: NonFinite = "raise"
@@ -265,7 +265,7 @@ def train(
             group["lr"] = learning_rate(config, step)
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        if config.trace is not None and step == config.steps - 1:
+        if config.trace is not None and step == end - 1:
             pipe.trace = Path(config.trace)
         loss = float(pipe.step(batch.inputs, batch.targets))
         if pipe.skipped:

@@ -105,6 +105,7 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
     out = tmp_path / "run"
     argv = ["--steps", "12", "--warmup", "2", "--batch-size", "8", "--seq-len", "32", "--eval-every", "6"]
     argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "6"]
+    argv += ["--trace", str(out / "traces" / "step.json")]  # a folder that does not exist yet
     done = subprocess.run(
         [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=230, check=False
     )
@@ -117,6 +118,9 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
     assert (out / "loss.png").stat().st_size > 0
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-00000006", "step-00000012"]
     assert f"checkpoint {out / 'ckpt' / 'step-00000012'}" in done.stdout
+    for rank in range(2):
+        events = json.loads((out / "traces" / f"step.rank{rank}.json").read_text())["traceEvents"]
+        assert any(e.get("name", "").endswith("F0") for e in events)  # the last step's actions, as they ran
 
 
 def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

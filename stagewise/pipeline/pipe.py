@@ -369,4 +369,5 @@ class Pipeline:
         self.last_result = result
         if self.trace is not None:
             path = self.trace.with_name(f"{self.trace.stem}.rank{self.mesh.rank}{self.trace.suffix or '.json'}")
+            path.parent.mkdir(parents=True, exist_ok=True)
             to_chrome_trace(result.events, path, spans=result.spans)
