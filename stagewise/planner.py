@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagewise.cluster import Cluster
+from stagewise.cluster import Cluster, Device
 from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, balance
 from stagewise.pipeline import ScheduleName, StageCosts, build, peak_in_flight, simulate
 from stagewise.pipeline.simulate import SimulationResult
@@ -130,6 +130,8 @@ class _Setting:
     """One option made concrete: its schedule, per-layer costs at its micro-batch size, and its devices."""
 
     schedule: Any
+    devices: list[Device]
+    """Per pipeline rank: the weakest device among its replicas."""
     costs: list[LayerCost]
     seconds: list[tuple[float, float]]
     """Per layer: forward and backward seconds on the fastest device (backward includes recomputation)."""
@@ -170,6 +172,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
         return f"recomputing one layer needs {transient / 2**30:.1f} GiB >= {smallest / 2**30:.1f} GiB per stage"
     return _Setting(
         schedule=schedule,
+        devices=devices,
         costs=costs,
         seconds=seconds,
         speeds=[devices[schedule.rank_of(s)].flops / fastest for s in range(n_stages)],
@@ -212,7 +215,7 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
         activation_bytes=[sum(costs[i].saved_bytes for i in r) for r in stage],
     )
     result = simulate(sched, stage_costs)
-    devices = cluster.stage_devices(pp, dp)
+    devices = setting.devices
     rank_params = [sum(costs[i].param_bytes for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
     allreduce = max(2 * (dp - 1) / dp * x / cluster.network_bandwidth for x in rank_params)
     per_param = workload.optimizer_seconds_per_param

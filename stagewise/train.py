@@ -113,6 +113,11 @@ class TrainConfig:
     def world_size(self) -> int:
         return self.stages * self.dp
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens in one sample: the sequence length for a GPT preset, else 1 (a sample counts as one)."""
+        return self.seq_len if isinstance(preset(self.model), GPTConfig) else 1
+
 
 @dataclass
 class Summary:
@@ -146,18 +151,18 @@ StepCallback = Callable[[int, float, float], None]
 """``callback(step, loss, seconds)`` after each step, on every rank."""
 
 
-def _datasets(config: TrainConfig, model: ModelConfig) -> tuple[Dataset[Any], Dataset[Any], int]:
-    """Training and validation data for the model, and tokens per sample."""
+def _datasets(config: TrainConfig, model: ModelConfig) -> tuple[Dataset[Any], Dataset[Any]]:
+    """Training and validation data for the model."""
     if isinstance(model, GPTConfig):
         if config.seq_len > model.seq_len:
             raise ValueError(f"seq_len={config.seq_len} exceeds {config.model}'s longest sequence, {model.seq_len}")
         splits = text_splits(config.data, config.seq_len)
-        return splits.train, splits.val, config.seq_len
+        return splits.train, splits.val
     n = 64 * config.batch_size
     if isinstance(model, MLPConfig):
-        return teacher_regression(model, n, seed=1), teacher_regression(model, n // 8, seed=2), 1
+        return teacher_regression(model, n, seed=1), teacher_regression(model, n // 8, seed=2)
     assert isinstance(model, CNNConfig)
-    return pattern_images(model, n, seed=1), pattern_images(model, n // 8, seed=2), 1
+    return pattern_images(model, n, seed=1), pattern_images(model, n // 8, seed=2)
 
 
 def _optimizer(config: TrainConfig, pipe: Pipeline) -> torch.optim.Optimizer:
@@ -203,7 +208,7 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
     model = model_config.build(device="meta")
     n_stages = config.stages * config.virtual
     micro = max(1, config.batch_size // config.dp // config.microbatches)
-    sample = model_config.example(micro, config.seq_len if isinstance(model_config, GPTConfig) else None)
+    sample = model_config.example(micro, config.seq_len if config.tokens_per_sample > 1 else None)
     part: Partition = (
         Partition.from_bounds(config.partition)
         if config.partition is not None
@@ -243,7 +248,7 @@ def train(
     if on_start is not None:
         on_start(pipe)
     model_config = preset(config.model)
-    train_data, val_data, tokens = _datasets(config, model_config)
+    train_data, val_data = _datasets(config, model_config)
     loader = StageLoader.of(pipe, train_data, global_batch_size=config.batch_size, seed=config.seed)
     optimizer = _optimizer(config, pipe)
     position = checkpoint.Progress(0, 0, 0)
@@ -256,7 +261,7 @@ def train(
             position = checkpoint.load(found, pipe, optimizer)
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
-    summary.samples_per_step, summary.tokens_per_sample = config.batch_size, tokens
+    summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
     batches = _batches(loader, position)
     end = config.steps if config.stop_after is None else config.stop_after
     for step in range(position.step, end):

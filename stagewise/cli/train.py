@@ -14,7 +14,7 @@ import torch
 
 from stagewise.cli import args
 from stagewise.comm import Layout, launch
-from stagewise.models import PRESETS, GPTConfig
+from stagewise.models import PRESETS
 from stagewise.pipeline import Pipeline, ScheduleName
 from stagewise.planner import load_plan
 from stagewise.train import Optimizer, Summary, TrainConfig, train
@@ -91,7 +91,7 @@ def run_rank(config: TrainConfig) -> Summary:
     """One rank's part of ``train``: rank 0 shows the layout and a progress bar."""
     rank = int(os.environ.get("RANK", "0"))
     bar: Any = None
-    tokens = config.batch_size * (config.seq_len if isinstance(PRESETS[config.model], GPTConfig) else 1)
+    tokens = config.batch_size * config.tokens_per_sample
 
     def started(pipe: Pipeline) -> None:
         nonlocal bar

@@ -154,7 +154,7 @@ class Pipeline:
         """Calls of :meth:`step` so far."""
         self.skipped = False
         """Whether the last step was skipped for a non-finite loss."""
-        self._bad_microbatch, self._bad_replica = -1, 0
+        self._bad_microbatch = -1
         if data_parallel is not None and not isinstance(data_parallel, DataParallel):
             raise TypeError(f"data_parallel must be a stagewise DataParallel, got {type(data_parallel).__name__}")
         self.device = torch.device(device) if device is not None else self.mesh.device
@@ -288,7 +288,7 @@ class Pipeline:
         self.skipped = not bool(torch.isfinite(loss))
         if self.skipped:
             where = self._bad_microbatch
-            which = f"micro-batch {where} of replica {self._bad_replica}" if where >= 0 else "in another replica"
+            which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
             message = f"the loss is {float(loss)} at step {self.steps} (first non-finite: {which})"
             if self.nonfinite == "raise":
                 raise NonFiniteLossError(
@@ -317,7 +317,7 @@ class Pipeline:
         """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline.
 
         ``bad_microbatch`` (the first micro-batch with a non-finite loss, or -1)
-        travels too, to :attr:`_bad_microbatch` and :attr:`_bad_replica`.
+        travels too, to :attr:`_bad_microbatch` (this replica's).
         """
         loss = (loss if loss is not None else torch.zeros((), device=self.device)).detach()
         loss = loss.to(self.device, torch.float32)
@@ -330,7 +330,7 @@ class Pipeline:
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
         dist.broadcast(packet, src=last, group=self.mesh.pp_group)
         smallest, largest = int(packet[1]), int(packet[2])
-        self._bad_microbatch, self._bad_replica = int(packet[3]), self.mesh.replica
+        self._bad_microbatch = int(packet[3])
         if self.loss_reduction == "mean" and smallest != largest:
             raise ValueError(
                 f"the replicas' batches differ in size ({smallest} to {largest} samples), but DDP averages their "
