@@ -1,14 +1,24 @@
-"""Split a chain of layers into pipeline stages: exact, balanced and memory-aware (no process groups)."""
+"""Split a chain of layers, or a traced model, into pipeline stages: exact, balanced, memory-aware (pure)."""
 
 from stagewise.partition.auto import By, auto, balance_costs
 from stagewise.partition.balance import CapacityError, balance
-from stagewise.partition.layers import CHAIN_ATTRIBUTE, Layer, SharedParameter, layers_of, shared_parameters
+from stagewise.partition.graph import TraceError
+from stagewise.partition.layers import (
+    CHAIN_ATTRIBUTE,
+    LAYERS_METHOD,
+    Layer,
+    SharedParameter,
+    layers_of,
+    shared_parameters,
+)
 from stagewise.partition.memory import MemoryModel, MemorySchedule, in_flight, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
 from stagewise.partition.split import Partition
+from stagewise.partition.traced import Segment, TracedChain, repeated_blocks, trace
 
 __all__ = [
     "CHAIN_ATTRIBUTE",
+    "LAYERS_METHOD",
     "By",
     "CapacityError",
     "Layer",
@@ -17,7 +27,10 @@ __all__ = [
     "MemorySchedule",
     "Partition",
     "Payload",
+    "Segment",
     "SharedParameter",
+    "TraceError",
+    "TracedChain",
     "auto",
     "balance",
     "balance_costs",
@@ -25,5 +38,7 @@ __all__ = [
     "layers_of",
     "memory_model",
     "profile",
+    "repeated_blocks",
     "shared_parameters",
+    "trace",
 ]

@@ -10,6 +10,9 @@ from torch import nn
 CHAIN_ATTRIBUTE = "stagewise_chain"
 """The attribute by which a module declares its chain (see :func:`layers_of`)."""
 
+LAYERS_METHOD = "stagewise_layers"
+"""A method that returns a module's layers itself (see :class:`stagewise.partition.TracedChain`)."""
+
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
@@ -20,6 +23,14 @@ class Layer:
     name: str
     """Path of the module in the unsplit model (``blocks.3``); parameter ``p`` of it is ``name.p``."""
     module: nn.Module
+    prefix: str | None = None
+    """What its parameter names start with in the unsplit model: ``name`` when None; ``""`` for a
+    layer whose parameters carry their full names (a segment of a traced model)."""
+
+    def qualify(self, key: str) -> str:
+        """The unsplit model's name of this layer's parameter, buffer or state key ``key``."""
+        prefix = self.name if self.prefix is None else self.prefix
+        return f"{prefix}.{key}" if prefix else key
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ def shared_parameters(layers: list[Layer]) -> list[SharedParameter]:
     return [
         SharedParameter(
             layers=tuple(layers[i].name for i, _ in held),
-            names=tuple(f"{layers[i].name}.{a}" for i, a in held),
+            names=tuple(layers[i].qualify(a) for i, a in held),
             indices=tuple(i for i, _ in held),
             attributes=tuple(a for _, a in held),
         )
@@ -101,6 +112,9 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
       A path that names a container contributes that container's children
       (``blocks.0``, ``blocks.1``, ...). Every parameter of the model must
       belong to one of the listed layers.
+    * Any module with a ``stagewise_layers()`` method, which returns its
+      layers itself: a :class:`~stagewise.partition.TracedChain`, the chain
+      :func:`~stagewise.partition.trace` makes of a model that is not one.
 
     Layers may share parameters (tied weights, such as an embedding and an
     LM head): :func:`shared_parameters` lists them, and
@@ -114,7 +128,10 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"layers_of expects an nn.Module, got {type(model).__name__}")
     kind = type(model).__name__
-    if hasattr(model, CHAIN_ATTRIBUTE):
+    provided = getattr(model, LAYERS_METHOD, None)
+    if callable(provided):
+        layers = list(provided())
+    elif hasattr(model, CHAIN_ATTRIBUTE):
         layers = list(_declared(model, flatten))
     elif isinstance(model, _CONTAINERS):
         layers = list(_children("", model, flatten))
@@ -123,8 +140,8 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
             f"{kind} is not a chain of layers: stagewise splits nn.Sequential, nn.ModuleList, "
             f"nn.ModuleDict, or a module that lists its layers in execution order in a "
             f"'{CHAIN_ATTRIBUTE}' attribute (e.g. {CHAIN_ATTRIBUTE} = ('embed', 'blocks', 'norm', 'head')). "
-            f"For a model whose forward is not a chain, split it with "
-            f"torch.distributed.pipelining.pipeline() and SplitPoint instead."
+            f"For a model whose forward is not a chain, stagewise.partition.trace(model, example) captures it "
+            f"with torch.export and cuts it at its repeated blocks into a chain."
         )
     if not layers:
         raise ValueError(f"{kind} has no layers to split; it is an empty chain")

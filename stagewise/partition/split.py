@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.distributed.pipelining import SplitPoint
+
+if TYPE_CHECKING:  # importing torch.distributed.pipelining takes a second and a half (dynamo, DTensor)
+    from torch.distributed.pipelining import SplitPoint
 
 from stagewise.units import format_bytes
 
@@ -99,6 +101,8 @@ class Partition:
                 f"this partition splits {self.n_layers} layers but the model has {len(layers)}; "
                 "partition this model's layers"
             )
+        from torch.distributed.pipelining import SplitPoint
+
         return {layers[b].name: SplitPoint.BEGINNING for b in self.bounds[1:-1]}
 
     def stage_of(self, layer: int) -> int:

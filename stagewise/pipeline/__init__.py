@@ -7,6 +7,7 @@ from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
 from stagewise.pipeline.executor import LossFn, StageError
 from stagewise.pipeline.hybrid import DataParallel
+from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.microbatch import LossReduction
 from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
 from stagewise.pipeline.render import render, to_chrome_trace
@@ -44,5 +45,6 @@ __all__ = [
     "schedules",
     "simulate",
     "to_chrome_trace",
+    "torch_pipe",
     "validate",
 ]

@@ -7,14 +7,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from stagewise.comm import Payload, PayloadLayout, Receiving, TensorMeta, Transport, as_tensors
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event
 from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
-from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.stage import StageModule, WeightUse
 from stagewise.pipeline.trace import Span
 
 ACTIVATIONS, GRADIENTS = 0, 1
@@ -74,8 +73,8 @@ class _Slot:
 
     inputs: Payload
     output: Payload
-    owners: list[tuple[nn.Module, object]]
-    """When backward is split (zero-bubble): each parameter-owning module and its output, for W."""
+    owners: list[WeightUse]
+    """When backward is split (zero-bubble): each use of parameters, for W."""
     loss: torch.Tensor | None = None
     received: list[Payload] = field(default_factory=list)
     """Payloads from the transport, handed back for reuse once the micro-batch is done."""
@@ -266,7 +265,7 @@ class _Run:
             data, received = incoming, [incoming]
         else:
             data = self.handoff.pop((s, mb))
-        owners: list[tuple[nn.Module, object]] = []
+        owners: list[WeightUse] = []
         try:
             out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None)
         except (RuntimeError, TypeError, ValueError) as err:
@@ -321,11 +320,11 @@ class _Run:
             roots = grad_tensors(slot.output)
             root_grads = list(as_tensors(grads)[0]) if roots else []
         wanted = grad_tensors(slot.inputs) if s > 0 else []
-        per_owner = [grad_tensors(o) for _, o in slot.owners]
+        per_owner = [grad_tensors(use.output) for use in slot.owners]
         if not roots:  # nothing here depends on a gradient-carrying input or parameter
             input_grads = [torch.zeros_like(t) for t in wanted]
             slot.owner_grads = [[None] * len(group) for group in per_owner]
-        elif action.kind is Kind.B:
+        elif action.kind is Kind.B or not (wanted or per_owner):
             if sync:
                 self._arm(s, roots)
             torch.autograd.backward(roots, root_grads)
@@ -351,12 +350,12 @@ class _Run:
 
     def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
-        for (module, out), grads in zip(slot.owners, slot.owner_grads, strict=True):
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            pairs = [(t, g) for t, g in zip(grad_tensors(out), grads, strict=True) if g is not None]
+        for use, grads in zip(slot.owners, slot.owner_grads, strict=True):
+            params = [p for p in use.params if p.requires_grad]
+            pairs = [(t, g) for t, g in zip(grad_tensors(use.output), grads, strict=True) if g is not None]
             if params and pairs:
                 if sync:  # before the first of this action's backwards: they all complete the stage's gradients
-                    self._arm(action.stage, [t for _, o in slot.owners for t in grad_tensors(o)])
+                    self._arm(action.stage, [t for u in slot.owners for t in grad_tensors(u.output)])
                     sync = False
                 # Only this module's own parameters: autograd stops where they are reached, so no
                 # activation gradient is recomputed beyond the module and nothing is counted twice.

@@ -164,7 +164,7 @@ class Pipeline:
         self.position = self.mesh.stage
         self.stages: dict[int, StageModule] = {}
         shared = shared_parameters(layers)  # before materialising, which unties them
-        self.model_keys = frozenset(f"{layer.name}.{k}" for layer in layers for k in layer.module.state_dict())
+        self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
         """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
         b = partition.bounds
         for s in plan.stages_of(self.position):

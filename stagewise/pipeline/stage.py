@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from stagewise.partition import Layer, layers_of, shared_parameters
+from stagewise.partition import Layer, Segment, layers_of, shared_parameters
 from stagewise.pipeline.tied import retie
 
 log = logging.getLogger(__name__)
@@ -26,22 +27,30 @@ def _is_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-def initialise(module: nn.Module, seed: int) -> None:
+def initialise(module: nn.Module, seed: int, *, only: set[int] | None = None) -> None:
     """Give a freshly materialised module its initial values, drawn from ``seed`` alone.
 
     Every submodule that defines ``reset_parameters`` runs it, in module order,
-    under a generator seeded with ``seed``. A parameter or buffer that no
-    ``reset_parameters`` covers would keep garbage, so it is refused by name.
+    under a generator seeded with ``seed``; with ``only``, just the submodules
+    whose ``id`` is in it (and the tensors they hold count as the ones to
+    cover). A tensor to cover that no ``reset_parameters`` covers would keep
+    garbage, so it is refused by name.
     """
     covered: set[int] = set()
+    chosen = [sub for sub in module.modules() if only is None or id(sub) in only]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for sub in module.modules():
+        for sub in chosen:
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
                 reset()
                 covered.update(id(t) for t in (*sub.parameters(), *sub.buffers()))
-    missed = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if id(t) not in covered]
+    expected = {id(t) for sub in chosen for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))}
+    missed = [
+        n
+        for n, t in (*module.named_parameters(), *module.named_buffers())
+        if id(t) in expected and id(t) not in covered
+    ]
     if missed:
         raise TypeError(
             f"{type(module).__name__} was built on the meta device, but {missed[:5]} "
@@ -51,13 +60,43 @@ def initialise(module: nn.Module, seed: int) -> None:
 
 
 def materialise(layer: nn.Module, index: int, device: torch.device, seed: int) -> nn.Module:
-    """``layer`` on ``device``: a meta layer is allocated there and initialised from ``(seed, index)``."""
+    """``layer`` on ``device``: its meta parts are allocated there and initialised from ``(seed, index)``.
+
+    Only the submodules that hold meta tensors are allocated and reset: a
+    module that an earlier layer shares with this one (a segment of a traced
+    model reading a tied embedding) keeps the values it already has.
+    """
     if _is_meta(layer):
-        layer.to_empty(device=device)
-        initialise(layer, layer_seed(seed, index))
+        meta = [sub for sub in layer.modules() if _is_meta_here(sub)]
+        for sub in meta:
+            sub.to_empty(device=device, recurse=False)
+        layer.to(device)
+        initialise(layer, layer_seed(seed, index), only={id(sub) for sub in _with_ancestors(layer, meta)})
     else:
         layer.to(device)
     return layer
+
+
+def _is_meta_here(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+
+
+def _with_ancestors(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` and every submodule of ``root`` that contains one of them, in ``root.modules()`` order."""
+    wanted = {id(m) for m in modules}
+    return [sub for sub in root.modules() if any(id(m) in wanted for m in sub.modules())]
+
+
+@dataclass(frozen=True)
+class WeightUse:
+    """An output computed directly from parameters: where a deferred weight gradient (W) starts.
+
+    For a module that owns parameters it is the module's output; for a traced
+    segment, the output of each op that reads a parameter.
+    """
+
+    params: tuple[torch.Tensor, ...]
+    output: object
 
 
 class StageModule(nn.Module):
@@ -82,23 +121,32 @@ class StageModule(nn.Module):
         self.first = first
         """Chain index of the stage's first layer."""
         self.names = [layer.name for layer in layers]
+        self._qualify = [layer.qualify for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.checkpointing = checkpointing
         self.autocast = autocast
         """Run the layers under ``torch.autocast`` with this dtype; None runs them as they are."""
         self.device_type = device_type
-        self.capture: list[tuple[nn.Module, object]] | None = None
-        """While a list, every module that owns parameters appends (module, output) here as it runs."""
+        self.capture: list[WeightUse] | None = None
+        """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
+        segments = [layer for layer in self.layers if isinstance(layer, Segment)]
+        inside = {id(m) for segment in segments for m in segment.modules()}
         for module in self.layers.modules():
-            if any(True for _ in module.parameters(recurse=False)):
+            if id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
                 module.register_forward_hook(self._record)
+        for segment in segments:  # a segment's modules never run: its graph reports the ops that read them
+            segment.record = self._record_use
 
     def _record(self, module: nn.Module, args: object, output: object) -> None:
         if self.capture is not None:
-            self.capture.append((module, output))
+            self.capture.append(WeightUse(tuple(module.parameters(recurse=False)), output))
 
-    def run(self, x: object, owners: list[tuple[nn.Module, object]] | None = None) -> object:
-        """Apply the layers in order; with ``owners``, record the output of every module that owns parameters."""
+    def _record_use(self, params: tuple[torch.Tensor, ...], output: object) -> None:
+        if self.capture is not None:
+            self.capture.append(WeightUse(params, output))
+
+    def run(self, x: object, owners: list[WeightUse] | None = None) -> object:
+        """Apply the layers in order; with ``owners``, record every use of parameters (see :class:`WeightUse`)."""
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         try:
@@ -117,16 +165,16 @@ class StageModule(nn.Module):
 
     def named_chain_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Parameters with the unsplit model's names."""
-        for name, layer in zip(self.names, self.layers, strict=True):
+        for qualify, layer in zip(self._qualify, self.layers, strict=True):
             for pname, param in layer.named_parameters():
-                yield f"{name}.{pname}", param
+                yield qualify(pname), param
 
     def chain_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers with the unsplit model's names."""
         out: dict[str, torch.Tensor] = {}
-        for name, layer in zip(self.names, self.layers, strict=True):
+        for qualify, layer in zip(self._qualify, self.layers, strict=True):
             for key, value in layer.state_dict().items():
-                out[f"{name}.{key}"] = value
+                out[qualify(key)] = value
         return out
 
 

@@ -91,7 +91,8 @@ class NotAChain(nn.Module):
 
 def test_not_a_chain_is_a_type_error_pointing_the_way() -> None:
     with pytest.raises(
-        TypeError, match=r"NotAChain is not a chain of layers.*'stagewise_chain'.*pipelining\.pipeline\(\)"
+        TypeError,
+        match=r"NotAChain is not a chain of layers.*'stagewise_chain'.*stagewise\.partition\.trace\(model, example\)",
     ):
         layers_of(NotAChain())
     with pytest.raises(TypeError, match=r"expects an nn.Module, got list"):

@@ -1,0 +1,336 @@
+"""cut(): an exported graph cut at its marker ops into a chain of segments that pass their live values on."""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import fx
+
+if TYPE_CHECKING:  # torch.export and torch.distributed.pipelining import dynamo: seconds, only when tracing
+    from torch.export import ExportedProgram
+
+log = logging.getLogger(__name__)
+
+
+def marker() -> Any:
+    """The op that ``torch.distributed.pipelining.pipe_split()`` leaves in a traced graph: a segment boundary."""
+    import torch.distributed.pipelining
+
+    return torch.ops.pippy._pipe_split.default
+
+
+_SIZE = torch.ops.aten.sym_size.int
+_DROPPED = (torch.ops.aten._assert_tensor_metadata.default,)
+"""Ops left out of segments: metadata checks that pin the tracing device."""
+_BOOKKEEPING = (_SIZE, *_DROPPED)
+"""Ops that do no work: a segment made only of these (and getitem) is merged into the next one."""
+MODE_DEPENDENT = frozenset(
+    {
+        torch.ops.aten.dropout.default,
+        torch.ops.aten.native_dropout.default,
+        torch.ops.aten.feature_dropout.default,
+        torch.ops.aten.alpha_dropout.default,
+        torch.ops.aten.batch_norm.default,
+        torch.ops.aten._native_batch_norm_legit_functional.default,
+        torch.ops.aten._native_batch_norm_legit_no_training.default,
+    }
+)
+"""Ops whose behaviour was fixed by the training mode the model had when it was traced."""
+
+
+class TraceError(TypeError):
+    """A model that torch.export cannot capture, or whose graph stagewise cannot cut into a chain."""
+
+
+@dataclass(frozen=True)
+class SegmentGraph:
+    """One segment of a cut graph: a pure function of the state it reads and the values it receives."""
+
+    module: fx.GraphModule
+    """Placeholders: the ``state`` tensors, then the received values; outputs: the emitted values,
+    then the new values of the ``mutated`` buffers."""
+    state: tuple[str, ...]
+    """Fully qualified names of the parameters, buffers and constants it reads, in placeholder order."""
+    receives: int
+    """How many values it receives (for the first segment: the model's inputs)."""
+    emits: int
+    """How many values it passes on (for the last segment: the model's outputs)."""
+    mutated: tuple[str, ...]
+    """Buffers whose new value it computes (running statistics), in output order after the emitted values."""
+    mode_dependent: bool
+    """Whether it contains dropout or batch norm, fixed to the training mode of tracing."""
+    uses: tuple[StateUse, ...]
+    """Every op that reads state directly, in graph order: where weight gradients start."""
+
+
+@dataclass(frozen=True)
+class StateUse:
+    """An op of a segment that reads some of its state tensors directly."""
+
+    node: str
+    """The op's node name in the segment's graph."""
+    state: tuple[int, ...]
+    """Positions, in :attr:`SegmentGraph.state`, of the tensors it reads."""
+
+
+def _kind_of_inputs(ep: ExportedProgram) -> tuple[dict[str, str], list[str]]:
+    """Placeholder name -> state FQN for parameters, buffers and constants; and the user inputs in order."""
+    from torch.export.graph_signature import InputKind
+
+    state: dict[str, str] = {}
+    users: list[str] = []
+    for spec in ep.graph_signature.input_specs:
+        name = getattr(spec.arg, "name", None)
+        if spec.kind == InputKind.USER_INPUT and name is not None:
+            users.append(name)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            assert name is not None and spec.target is not None
+            state[name] = spec.target
+        else:
+            raise TraceError(
+                f"the traced graph takes an input of kind {spec.kind.name} ({spec.arg}); stagewise splits models "
+                "whose inputs are tensors and whose state is parameters, buffers and tensor constants"
+            )
+    return state, users
+
+
+def _kind_of_outputs(ep: ExportedProgram, output: fx.Node) -> tuple[list[fx.Node], dict[fx.Node, str]]:
+    """The user outputs' nodes in order, and buffer-mutation output node -> buffer FQN."""
+    from torch.export.graph_signature import OutputKind
+
+    values = output.args[0]
+    assert isinstance(values, (tuple, list))
+    user: list[fx.Node] = []
+    mutations: dict[fx.Node, str] = {}
+    for spec, node in zip(ep.graph_signature.output_specs, values, strict=True):
+        if not isinstance(node, fx.Node):
+            raise TraceError(f"the model returns a constant ({node!r}); return tensors only")
+        if spec.kind == OutputKind.USER_OUTPUT:
+            user.append(node)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            assert spec.target is not None
+            mutations[node] = spec.target
+        else:
+            raise TraceError(
+                f"the traced graph has an output of kind {spec.kind.name}; stagewise splits models that "
+                "return tensors and update at most their buffers (not their inputs or parameters)"
+            )
+    return user, mutations
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _is_size(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (torch.SymInt, int)) and node.op == "call_function"
+
+
+def _works(node: fx.Node) -> bool:
+    return node.target not in _BOOKKEEPING and node.target is not operator.getitem
+
+
+def _assign(graph: fx.Graph, boundary_names: Sequence[str]) -> tuple[dict[fx.Node, int], list[str]]:
+    """Each compute node's segment, and each segment's name.
+
+    A marker starts a new segment, named after the block it marks, unless the
+    segment before it did no work: that one then starts at the marker instead.
+    """
+    boundary = marker()
+    segment: dict[fx.Node, int] = {}
+    names = ["<input>"]
+    working, seen = False, 0
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target == boundary:
+            if working:
+                names.append(boundary_names[seen])
+                working = False
+            else:
+                names[-1] = boundary_names[seen]
+            seen += 1
+            continue
+        segment[node] = len(names) - 1
+        working = working or _works(node)
+    return segment, names
+
+
+def cut(ep: ExportedProgram, *, boundary_names: Sequence[str]) -> tuple[list[SegmentGraph], list[str]]:
+    """Cut ``ep``'s graph at its marker ops into segments that form a chain.
+
+    Segment ``k`` receives every value that an earlier segment (or the model's
+    input) defines and segment ``k`` or a later one uses, and emits those that
+    later segments still need: a mask or a skip connection is passed along
+    from stage to stage. Sizes (symbolic integers) never cross a boundary;
+    each segment reads them again from a tensor it received.
+
+    Returns the segments and their names: the name of the block whose marker
+    starts each (``boundary_names[i]`` for marker ``i``); a first segment that
+    starts before any marker is named ``"<input>"``.
+    """
+    gm = ep.graph_module
+    graph = gm.graph
+    state_of, user_inputs = _kind_of_inputs(ep)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    (output,) = [n for n in graph.nodes if n.op == "output"]
+    user_outputs, mutations = _kind_of_outputs(ep, output)
+    boundary = marker()
+    segment, names = _assign(graph, boundary_names)
+    n_segments = len(names)
+
+    # where each value is defined and last used (the model's inputs count as defined before segment 0)
+    defined: dict[fx.Node, int] = {placeholders[n]: -1 for n in user_inputs}
+    defined.update(segment)
+    last_use: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        if node in segment:
+            for arg in node.all_input_nodes:
+                if arg in defined:
+                    last_use[arg] = max(last_use.get(arg, -1), segment[node])
+    for node in user_outputs:  # a buffer's new value is stored where it is computed, not passed on
+        last_use[node] = n_segments
+    for node in [*user_outputs, *mutations]:
+        if node not in defined:
+            raise TraceError(f"the model returns {node.name}, which is not computed from its inputs; return tensors")
+
+    def live_into(k: int) -> list[fx.Node]:
+        """Values crossing into segment k, in graph order."""
+        if k == 0:
+            return [placeholders[n] for n in user_inputs]
+        return [v for v in defined if defined[v] < k <= last_use.get(v, -2) and (_is_tensor(v) or not _is_size(v))]
+
+    for v, where in defined.items():
+        if not (_is_tensor(v) or _is_size(v)) and last_use.get(v, -2) > where:
+            raise TraceError(
+                f"{v.name} ({type(v.meta.get('val')).__name__}) crosses a segment boundary; only tensors and "
+                "sizes can: pass tensors between the model's blocks"
+            )
+
+    segments: list[SegmentGraph] = []
+    for k in range(n_segments):
+        incoming = live_into(k)
+        outgoing = user_outputs if k == n_segments - 1 else live_into(k + 1)
+        mine = [n for n in graph.nodes if segment.get(n) == k and n.target not in _DROPPED and n.target != boundary]
+        segments.append(
+            _build(
+                k,
+                mine,
+                incoming=incoming,
+                outgoing=outgoing,
+                state_of=state_of,
+                placeholders=placeholders,
+                mutations=mutations,
+                gm=gm,
+            )
+        )
+        log.debug("segment %d (%s): receives %d, emits %d", k, names[k], len(incoming), len(outgoing))
+    return segments, names
+
+
+def _build(
+    k: int,
+    mine: list[fx.Node],
+    *,
+    incoming: list[fx.Node],
+    outgoing: list[fx.Node],
+    state_of: dict[str, str],
+    placeholders: dict[str, fx.Node],
+    mutations: dict[fx.Node, str],
+    gm: fx.GraphModule,
+) -> SegmentGraph:
+    """The graph of segment ``k``: state placeholders, received placeholders, its nodes, and its outputs."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    state: list[str] = []
+    used_state = [placeholders[name] for name in state_of if any(placeholders[name] in n.all_input_nodes for n in mine)]
+    for node in used_state:
+        new = g.placeholder(node.name)
+        new.meta = dict(node.meta)
+        env[node] = new
+        state.append(state_of[node.name])
+    received: list[fx.Node] = []
+    for node in incoming:
+        new = g.placeholder(f"in_{node.name}")
+        new.meta = dict(node.meta)
+        env[node] = new
+        received.append(new)
+
+    def size_here(node: fx.Node) -> fx.Node:
+        """A size another segment computed, read again from a tensor this segment received."""
+        if node in env:
+            return env[node]
+        if node.target == _SIZE:
+            want = node.meta["val"]
+            for source in received:
+                val = source.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    for dim, size in enumerate(val.shape):
+                        if str(size) == str(want):
+                            env[node] = g.call_function(_SIZE, (source, dim))
+                            env[node].meta = dict(node.meta)
+                            return env[node]
+            raise TraceError(
+                f"segment {k} needs the size {want} ({node.name}) but receives no tensor with a dimension of that "
+                "size; compute sizes from the tensors each block receives"
+            )
+        if node.op == "call_function" and all(_is_size(a) for a in node.all_input_nodes):
+            env[node] = g.node_copy(node, size_here)
+            return env[node]
+        raise TraceError(f"segment {k} uses {node.name}, computed in another segment, which is not a tensor")
+
+    def lookup(node: fx.Node) -> fx.Node:
+        return env[node] if node in env else size_here(node)
+
+    mode_dependent = False
+    position = {node: i for i, node in enumerate(used_state)}
+    uses: list[StateUse] = []
+    for node in mine:
+        env[node] = g.node_copy(node, lookup)
+        mode_dependent = mode_dependent or node.target in MODE_DEPENDENT
+        read = tuple(position[a] for a in node.all_input_nodes if a in position)
+        if read:
+            uses.append(StateUse(env[node].name, read))
+    mutated = [(node, fqn) for node, fqn in mutations.items() if node in env and node in mine]
+    values = [lookup(v) for v in outgoing] + [env[node] for node, _ in mutated]
+    g.output(tuple(values))
+    g.eliminate_dead_code()
+    module = fx.GraphModule(gm, g, class_name=f"Segment{k}")
+    return SegmentGraph(
+        module=module,
+        state=tuple(state),
+        receives=len(incoming),
+        emits=len(outgoing),
+        mutated=tuple(fqn for _, fqn in mutated),
+        mode_dependent=mode_dependent,
+        uses=tuple(uses),
+    )
+
+
+def variant(
+    module: fx.GraphModule, *, old: torch.device, new: torch.device, also_return: Sequence[str] = ()
+) -> fx.GraphModule:
+    """A copy of ``module`` whose ops that create tensors on ``old`` (burned in by tracing) create them on
+    ``new``, and that also returns the values of the nodes named ``also_return``, after its own outputs."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    lookup: Callable[[fx.Node], fx.Node] = env.__getitem__
+    by_name: dict[str, fx.Node] = {}
+    for node in module.graph.nodes:
+        if node.op == "output":
+            values = node.args[0]
+            assert isinstance(values, tuple)
+            g.output((*(lookup(v) for v in values), *(by_name[n] for n in also_return)))
+            continue
+        copy = g.node_copy(node, lookup)
+        device = copy.kwargs.get("device")
+        if isinstance(device, (torch.device, str)) and torch.device(device) == old:
+            copy.kwargs = {**copy.kwargs, "device": new}
+        env[node] = copy
+        by_name[node.name] = copy
+    return fx.GraphModule(module, g, class_name=type(module).__name__)

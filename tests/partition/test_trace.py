@@ -1,0 +1,170 @@
+"""trace(): models that are not chains, captured by torch.export and cut at their repeated blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stagewise.models.nonchain import MaskedTransformer, UNetMLP
+from stagewise.partition import TraceError, auto, layers_of, profile, repeated_blocks, shared_parameters, trace
+from stagewise.pipeline import materialise_model, torch_pipe
+from stagewise.pipeline.stage import materialise
+
+
+def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (batch, 8), generator=g)
+    mask = torch.ones(batch, 8, dtype=torch.long)
+    mask[0, 5:] = 0
+    return ids, mask
+
+
+def test_a_masked_transformer_becomes_a_chain_that_computes_the_same() -> None:
+    torch.manual_seed(0)
+    model = MaskedTransformer()
+    chain = trace(model, inputs(3))
+    layers = layers_of(chain)
+    assert [layer.name for layer in layers] == ["<input>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    # hidden states, mask, cos and sin travel between blocks; the last returns the logits
+    assert [s.graph.receives for s in chain.segments] == [2, 4, 4, 4, 4]
+    assert [s.graph.emits for s in chain.segments] == [4, 4, 4, 4, 1]
+    assert list(chain.state_dict()) == list(model.state_dict())
+    for batch in (1, 3, 5):  # the batch dimension stays symbolic
+        x = inputs(batch, seed=batch)
+        torch.testing.assert_close(chain(*x), model(*x), atol=0, rtol=0)
+    x = inputs(4)
+    want = torch.autograd.grad(model(*x).square().mean(), list(model.parameters()))
+    got = torch.autograd.grad(chain(*x).square().mean(), list(model.parameters()))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_skip_connections_are_passed_along_and_shared_weights_found() -> None:
+    torch.manual_seed(0)
+    model = UNetMLP(n_layers=6)
+    x = torch.randn(4, 16)
+    chain = trace(model, x)
+    # the input projection reaches the head, and block i's output reaches block 5 - i
+    assert [s.graph.emits for s in chain.segments] == [1, 2, 3, 4, 3, 2, 1]
+    torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)
+    (tie,) = shared_parameters(layers_of(chain))
+    assert tie.names == ("mix", "mix", "mix") and tie.layers == ("blocks.2", "blocks.3", "blocks.4")
+
+
+def test_the_partitioner_chooses_among_the_block_boundaries() -> None:
+    model = MaskedTransformer(n_layers=6, device="meta")
+    example = tuple(t.to("meta") for t in inputs(2))
+    chain = trace(model, example)
+    costs = profile(chain, example)
+    assert [c.name for c in costs] == ["<input>", *repeated_blocks(model)]
+    assert len({c.flops for c in costs[1:-1]}) == 1  # identical blocks cost the same
+    part = auto(chain, 3, example, by="flops")
+    assert part.n_stages == 3 and part.bounds[0] == 0 and part.bounds[-1] == 7
+    assert set(part.split_spec(chain)) <= set(repeated_blocks(model))
+
+
+def test_a_meta_model_is_materialised_segment_by_segment_on_the_cpu() -> None:
+    model = MaskedTransformer(device="meta")
+    chain = trace(model, tuple(t.to("meta") for t in inputs(2)))
+    materialise_model(chain, seed=3)
+    assert not any(p.is_meta for p in model.parameters())
+    x = inputs(3)
+    # the mask's torch.ones(..., device=meta) of tracing now runs on the CPU
+    torch.testing.assert_close(chain(*x), model(*x), atol=0, rtol=0)
+    again = trace(MaskedTransformer(device="meta"), tuple(t.to("meta") for t in inputs(2)))
+    materialise_model(again, seed=3)
+    for (name, a), b in zip(chain.state_dict().items(), again.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8, device=device)
+        self.blocks = nn.Sequential(*(nn.Linear(8, 8, device=device) for _ in range(3)))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return F.linear(h, self.embed.weight)
+
+
+def test_a_tied_module_keeps_the_value_of_the_first_segment_that_uses_it() -> None:
+    example = torch.zeros(2, 4, dtype=torch.long, device="meta")
+    chain = trace(TiedLM(device="meta"), example)
+    layers = layers_of(chain)
+    assert layers[-1].module.get_submodule("embed") is layers[0].module.get_submodule("embed")
+    materialise_model(chain, seed=2)
+    alone = trace(TiedLM(device="meta"), example)
+    materialise(layers_of(alone)[0].module, 0, torch.device("cpu"), 2)
+    torch.testing.assert_close(chain.embed.weight, alone.embed.weight, atol=0, rtol=0)
+
+
+def test_torch_pipe_cuts_where_the_partition_does_and_leaves_the_model_alone() -> None:
+    torch.manual_seed(0)
+    model = UNetMLP()
+    x = torch.randn(2, 16)
+    chain = trace(model, x)
+    part = auto(chain, 3, x, by="flops")
+    pipe = torch_pipe(chain, part, (x,))
+    assert pipe.num_stages == 3
+    out = pipe(x)
+    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(x))
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x) if x.sum() > 0 else -block(x)  # data-dependent control flow
+        return x
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in [*self.blocks, self.blocks[0]]:
+            x = block(x)
+        return x
+
+
+class Dropping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.blocks(x))
+
+
+def test_what_cannot_be_traced_or_cut_is_refused_with_the_reason() -> None:
+    with pytest.raises(
+        TraceError,
+        match=r"(?s)could not capture Branchy: GuardOnDataDependentSymNode: Could not guard .*stagewise_chain",
+    ):
+        trace(Branchy(), torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"blocks \['blocks.0'\] run more than once per forward"):
+        trace(Twice(), torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"Linear has no repeated blocks .* blocks=\[...\]"):
+        trace(nn.Linear(4, 4), torch.randn(2, 4))
+    with pytest.raises(ValueError, match=r"blocks names 'nope', which is not a submodule"):
+        trace(UNetMLP(), torch.randn(2, 16), blocks=["nope"])
+    with pytest.raises(TypeError, match=r"a tensor or a tuple of tensors .* got list"):
+        trace(UNetMLP(), [torch.randn(2, 16)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"share their first \(batch\) dimension, got shapes \[\(2, 8\), \(3, 8\)\]"):
+        trace(MaskedTransformer(), (torch.zeros(2, 8, dtype=torch.long), torch.ones(3, 8, dtype=torch.long)))
+    chain = trace(Dropping(), torch.randn(2, 4), blocks=["blocks.0", "blocks.1"])
+    chain.eval()
+    with pytest.raises(RuntimeError, match=r"traced in training mode and contains dropout or batch norm"):
+        chain(torch.randn(2, 4))
