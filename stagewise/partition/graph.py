@@ -248,7 +248,8 @@ def _build(
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     state: list[str] = []
-    used_state = [placeholders[name] for name in state_of if any(placeholders[name] in n.all_input_nodes for n in mine)]
+    consumed = {arg for n in mine for arg in n.all_input_nodes}
+    used_state = [placeholders[name] for name in state_of if placeholders[name] in consumed]
     for node in used_state:
         new = g.placeholder(node.name)
         new.meta = dict(node.meta)

@@ -183,7 +183,7 @@ class Segment(nn.Module):
 def _wholly_read(model: nn.Module, read: set[str]) -> list[str]:
     """The outermost modules (not the model itself) all of whose parameters and buffers are in ``read``."""
     aliases: dict[int, set[str]] = {}
-    for name, tensor in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+    for name, tensor in _named_tensors(model, remove_duplicate=False):
         aliases.setdefault(id(tensor), set()).add(name)
     read = {alias for name, tensor in _named_tensors(model) if name in read for alias in aliases[id(tensor)]}
     chosen: list[str] = []
