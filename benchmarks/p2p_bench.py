@@ -83,12 +83,14 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
             _raw_round_trip(t, buf, rank)
             _ours_round_trip(transport, t, rank)
             _pipeline_round_trip(transport, t, rank)
-        for _ in range(repeats):
-            for fn, out in (
-                (functools.partial(_raw_round_trip, t, buf, rank), raw),
-                (functools.partial(_ours_round_trip, transport, t, rank), ours),
-                (functools.partial(_pipeline_round_trip, transport, t, rank), piped),
-            ):
+        variants = [
+            (functools.partial(_raw_round_trip, t, buf, rank), raw),
+            (functools.partial(_ours_round_trip, transport, t, rank), ours),
+            (functools.partial(_pipeline_round_trip, transport, t, rank), piped),
+        ]
+        for repeat in range(repeats):
+            # Rotate which variant runs first after the barrier, so no variant always pays for it.
+            for fn, out in variants[repeat % 3 :] + variants[: repeat % 3]:
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(block):

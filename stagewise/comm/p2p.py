@@ -292,9 +292,11 @@ class Receiving:
             return self.result
         assert self.control_work is not None
         try:
+            # The data (or the stand-in for the old layout) follows its control word, so waiting for it
+            # first leaves nothing to wait for in the control word: one wake-up per message, not two.
+            t._wait_all(self.data_works, src, what)
             t._wait_all([self.control_work], src, f"{what} (control word)")
             words = int(self.control.item())
-            t._wait_all(self.data_works, src, what)  # the data, or the stand-in for the old layout
             buffers = self.buffers
             if words:
                 if buffers:
