@@ -3,14 +3,19 @@
 On identical stages and data (residual-MLP blocks of width d, L blocks,
 batch B, m micro-batches, one thread per process), in one run:
 
-- single process, full batch, and single process, micro-batched (gradient accumulation);
-- stagewise.Pipeline with gpipe, 1f1b and zero-bubble;
+- single process, full batch, and single process, micro-batched (gradient
+  accumulation), the latter both with autograd's accumulation and with
+  stagewise's fused weight-gradient accumulation;
+- stagewise.Pipeline with gpipe and 1f1b (fused accumulation, the default,
+  and autograd's), and zero-bubble;
 - torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages.
 
-Efficiency is the micro-batched single-process step time over p times the
-pipeline's step time (ideal m / (m + p - 1) = 0.889 for m=8, p=2). Peak
-activation memory is the largest total of tensors saved for backward that
-stage 0 holds at once. One JSON line per (d, variant):
+Efficiency is the micro-batched single-process step time (autograd's
+accumulation) over p times the pipeline's step time (ideal m / (m + p - 1) =
+0.889 for m=8, p=2); same-compute efficiency divides the single-process time
+with the same accumulation as the variant instead. Peak activation memory is
+the largest total of tensors saved for backward that stage 0 holds at once.
+One JSON line per (d, variant):
 
     python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6]
 """
@@ -34,7 +39,7 @@ from torch import nn
 
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline
+from stagewise.pipeline import FusedWeightGradients, Pipeline
 
 
 class Block(nn.Module):
@@ -91,10 +96,15 @@ def _single(full: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.mse_loss(full(x), y).backward()
 
 
-def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int) -> None:
+def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, fused: bool = False) -> None:
     full.zero_grad()
     for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
-        (F.mse_loss(full(xs), ys) / m).backward()
+        if fused:
+            with FusedWeightGradients(full.parameters()):
+                out = full(xs)
+        else:
+            out = full(xs)
+        (F.mse_loss(out, ys) / m).backward()
 
 
 def _stagewise_step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -109,6 +119,12 @@ def _torch_step(sched: Any, mine: nn.Module, rank: int, x: torch.Tensor, y: torc
         sched.step(x)
     else:
         sched.step(target=y, losses=[])
+
+
+UNFUSED = " (autograd accumulation)"
+VARIANTS = ("gpipe", "1f1b", "zero-bubble", f"gpipe{UNFUSED}", f"1f1b{UNFUSED}")
+"""stagewise's variants: each schedule with fused weight-gradient accumulation (the default; zero-bubble's W is
+autograd's either way), and gpipe and 1f1b with autograd's accumulation."""
 
 
 def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> list[dict[str, object]]:
@@ -127,14 +143,18 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> 
         # The single-process references run on rank 0 alone while rank 1 waits.
         variants["single_full_batch"] = functools.partial(_single, full, x, y) if rank == 0 else idle
         variants["single_microbatched"] = functools.partial(_accumulated, full, x, y, m) if rank == 0 else idle
+        variants["single_microbatched_fused"] = (
+            functools.partial(_accumulated, full, x, y, m, True) if rank == 0 else idle
+        )
         half = (0, n_layers // 2, n_layers)
         pipes = {}
-        for schedule in ("gpipe", "1f1b", "zero-bubble"):
-            pipes[schedule] = Pipeline(
-                model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,
-                loss_fn=F.mse_loss, mesh=mesh, timeout=600,
+        for name in VARIANTS:
+            schedule = name.removesuffix(UNFUSED)
+            pipes[name] = Pipeline(
+                model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,  # type: ignore[arg-type]
+                loss_fn=F.mse_loss, mesh=mesh, timeout=600, fuse_weight_gradients=not name.endswith(UNFUSED),
             )  # fmt: skip
-            variants[f"stagewise_{schedule}"] = functools.partial(_stagewise_step, pipes[schedule], x, y)
+            variants[f"stagewise_{name}"] = functools.partial(_stagewise_step, pipes[name], x, y)
         mine = nn.Sequential(*list(model(d, n_layers))[half[rank] : half[rank + 1]])
         for name, cls in (("torch_gpipe", ScheduleGPipe), ("torch_1f1b", Schedule1F1B)):
             sched = cls(PipelineStage(mine, rank, 2, torch.device("cpu")), m, loss_fn=F.mse_loss)
@@ -177,19 +197,23 @@ def main() -> None:
         t0: dict[str, float] = r0["times"]  # type: ignore[assignment]
         t1: dict[str, float] = r1["times"]  # type: ignore[assignment]
         both = {k: max(t0[k], t1[k]) for k in t0}  # a pipeline step ends when both ranks are done
-        both["single_full_batch"], both["single_microbatched"] = t0["single_full_batch"], t0["single_microbatched"]
+        for single in ("single_full_batch", "single_microbatched", "single_microbatched_fused"):
+            both[single] = t0[single]
         ref = both["single_microbatched"]
-        for variant in ("gpipe", "1f1b", "zero-bubble"):
+        for variant in VARIANTS:
             ours = both[f"stagewise_{variant}"]
+            fused = not variant.endswith(UNFUSED) and variant != "zero-bubble"
+            same = both["single_microbatched_fused"] if fused else ref
             row: dict[str, object] = {
                 "d": d,
                 "variant": f"stagewise {variant}",
                 "step_ms": round(ours * 1e3, 2),
                 "efficiency": round(ref / (p * ours), 3),
+                "same_compute_efficiency": round(same / (p * ours), 3),
                 "ideal": round(m / (m + p - 1), 3),
                 "stage0_peak_saved_mib": round(r0["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
             }
-            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(variant)
+            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(variant.removesuffix(UNFUSED))
             if torch_name:
                 row["torch_step_ms"] = round(both[torch_name] * 1e3, 2)
                 row["torch_efficiency"] = round(ref / (p * both[torch_name]), 3)
@@ -202,6 +226,7 @@ def main() -> None:
                     "variant": "single process",
                     "full_batch_ms": round(both["single_full_batch"] * 1e3, 2),
                     "microbatched_ms": round(ref * 1e3, 2),
+                    "microbatched_fused_ms": round(both["single_microbatched_fused"] * 1e3, 2),
                 }
             ),
             flush=True,

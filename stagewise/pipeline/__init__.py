@@ -6,6 +6,7 @@ from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
 from stagewise.pipeline.executor import LossFn, StageError
+from stagewise.pipeline.fusion import FusedWeightGradients
 from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.microbatch import LossReduction
@@ -22,6 +23,7 @@ __all__ = [
     "Batch",
     "DataParallel",
     "Event",
+    "FusedWeightGradients",
     "Kind",
     "LossFn",
     "LossReduction",

@@ -108,7 +108,10 @@ class Executor:
     every module that owns parameters; W later turns each of those into that
     module's own parameter gradients, so nothing is accumulated twice and no
     activation gradient is computed again beyond the owning module. Receives for the next actions are posted before
-    the current one computes, so transfers overlap compute.
+    the current one computes, so transfers overlap compute. With ``fuse``, B
+    accumulates linear weight gradients into ``.grad`` inside its GEMMs
+    (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
+    backward after which DDP all-reduces a stage, whose hooks must see it.
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class Executor:
         lookahead: int = 2,
         replicas: Replicas | None = None,
         grad_scale: float = 1.0,
+        fuse: bool = False,
     ) -> None:
         self.schedule = schedule
         self.position = position
@@ -136,6 +140,8 @@ class Executor:
         """Data-parallel replicas of the stages, synchronised after each stage's last backward of a step."""
         self.grad_scale = grad_scale
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
+        self.fuse = fuse and not schedule.splits_backward
+        """Run training forwards under :class:`FusedWeightGradients` (not with I/W: W is autograd's)."""
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -204,6 +210,8 @@ class _Run:
         self.losses: list[torch.Tensor] = []
         self.sync = sync_points(actions) if training and executor.replicas is not None else set()
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
+        self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
+        """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
 
     def _now(self) -> float:
         return time.perf_counter() - self.start
@@ -267,7 +275,8 @@ class _Run:
             data = self.handoff.pop((s, mb))
         owners: list[WeightUse] = []
         try:
-            out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None)
+            fused = self.training and x.fuse and (s, mb) not in self.unfused
+            out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None, fused=fused)
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(_failed(x.stages[s], mb, data, err)) from err
         slot = _Slot(inputs=data, output=out, owners=owners, received=received)  # type: ignore[arg-type]

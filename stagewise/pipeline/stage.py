@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.partition import Layer, Segment, layers_of, shared_parameters
+from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS, FusedWeightGradients
 from stagewise.pipeline.tied import retie
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,15 @@ class WeightUse:
     output: object
 
 
+def _call(layer: nn.Module, x: object) -> object:
+    return layer(x)
+
+
+def _fused_call(mode: FusedWeightGradients, layer: nn.Module, x: object) -> object:
+    with mode:
+        return layer(x)
+
+
 class StageModule(nn.Module):
     """The layers ``first .. first + len(layers) - 1`` of a chain, run one after another.
 
@@ -114,6 +125,7 @@ class StageModule(nn.Module):
         checkpointing: bool = False,
         autocast: torch.dtype | None = None,
         device_type: str = "cpu",
+        fuse_min_elements: int = DEFAULT_MIN_ELEMENTS,
     ) -> None:
         super().__init__()
         self.index = index
@@ -127,6 +139,8 @@ class StageModule(nn.Module):
         self.autocast = autocast
         """Run the layers under ``torch.autocast`` with this dtype; None runs them as they are."""
         self.device_type = device_type
+        self.fuse_min_elements = fuse_min_elements
+        """The smallest weight whose gradient a fused forward accumulates itself (see :meth:`run`)."""
         self.capture: list[WeightUse] | None = None
         """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
         segments = [layer for layer in self.layers if isinstance(layer, Segment)]
@@ -145,17 +159,26 @@ class StageModule(nn.Module):
         if self.capture is not None:
             self.capture.append(WeightUse(params, output))
 
-    def run(self, x: object, owners: list[WeightUse] | None = None) -> object:
-        """Apply the layers in order; with ``owners``, record every use of parameters (see :class:`WeightUse`)."""
+    def run(self, x: object, owners: list[WeightUse] | None = None, *, fused: bool = False) -> object:
+        """Apply the layers in order.
+
+        With ``owners``, record every use of parameters (see :class:`WeightUse`).
+        With ``fused``, the backward of this forward accumulates the gradients
+        of linear weights of at least :attr:`fuse_min_elements` elements
+        straight into ``.grad`` (see :class:`FusedWeightGradients`).
+        """
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
+        large = [p for p in self.parameters() if p.numel() >= self.fuse_min_elements] if fused else []
+        call = functools.partial(_fused_call, FusedWeightGradients(large)) if large else _call
         try:
             with cast:
                 for layer in self.layers:
                     if self.checkpointing and torch.is_grad_enabled():
-                        x = checkpoint(layer, x, use_reentrant=False)
+                        # The recomputation must record what the forward recorded: the mode goes inside.
+                        x = checkpoint(call, layer, x, use_reentrant=False)
                     else:
-                        x = layer(x)
+                        x = call(layer, x)
         finally:
             self.capture = None
         return x

@@ -121,6 +121,7 @@ def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
             mesh=mesh,
             timeout=30,
             data_parallel=DataParallel(bucket_cap_mb=1000, comm_hook=counting_hook),  # one bucket per stage
+            fuse_weight_gradients=0,  # DDP's hooks must still see each stage's last backward
         )
         data = ChainData(case.chain, STEPS * case.global_batch)
         loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)

@@ -202,4 +202,10 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
         Pipeline(
             chain.build(), Partition.from_bounds((0, 1, 2)), schedule=build("1f1b", 2, 3), n_microbatches=2, loss_fn=mse
         )
+    for bad in (True, -1, 0.5):
+        with pytest.raises(ValueError, match=r"fuse_weight_gradients must be a number of elements >= 0 or None, got"):
+            Pipeline(
+                chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse,
+                fuse_weight_gradients=bad,  # type: ignore[arg-type]
+            )  # fmt: skip
     assert len(layers_of(chain.build())) == 2

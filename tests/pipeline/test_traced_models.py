@@ -69,7 +69,10 @@ def train_traced(kind: str, schedule: str) -> dict[str, Any]:
     example, _ = batches(kind, size=MICRO)[0]
     chain = trace(model, example)
     part = auto(chain, 2, example, by="flops")  # the split points, chosen by the partitioner
-    pipe = Pipeline(chain, part, schedule=schedule, n_microbatches=MICRO, loss_fn=loss_of(kind), mesh=mesh, timeout=30)  # type: ignore[arg-type]
+    pipe = Pipeline(
+        chain, part, schedule=schedule, n_microbatches=MICRO, loss_fn=loss_of(kind), mesh=mesh, timeout=30,  # type: ignore[arg-type]
+        fuse_weight_gradients=0,  # a segment's graph calls aten.linear: fuse it (not under zero-bubble's I/W)
+    )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []
     for inputs, targets in batches(kind):

@@ -1,0 +1,101 @@
+"""Fused weight-gradient accumulation gives autograd's gradients, and leaves alone what it must not touch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from chains import Chain
+from torch import nn
+
+from stagewise.partition import layers_of
+from stagewise.pipeline import FusedWeightGradients
+from stagewise.pipeline.stage import StageModule
+
+
+class TiedHead(nn.Module):
+    """A linear layer, a functional linear reusing its weight, then the ATen linear op that traced graphs call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.proj(x))
+        h = F.linear(h, self.proj.weight)  # the same weight again, without bias
+        return torch.ops.aten.linear.default(h, self.out.weight)  # as a traced graph calls it
+
+
+def _autograd_grads(model: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    for x in batches:
+        model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def test_micro_batches_accumulate_the_same_gradients_as_autograd() -> None:
+    torch.manual_seed(0)
+    model = TiedHead()
+    batches = [torch.randn(4, 5, 6) for _ in range(3)]  # 3-D inputs, as a sequence model's
+    want = _autograd_grads(model, batches)
+    model.zero_grad(set_to_none=True)
+    for x in batches:
+        with FusedWeightGradients(model.parameters()):
+            out = model(x)
+        assert "AccumulatingLinear" in type(out.grad_fn).__name__  # the mode did take the linear ops
+        out.square().sum().backward()
+    for param, grad in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
+
+
+def test_existing_gradients_are_added_to_and_inputs_get_theirs() -> None:
+    torch.manual_seed(1)
+    layer = nn.Linear(4, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    start = torch.randn(2, 4)
+    layer.weight.grad = start.clone()
+    with FusedWeightGradients(layer.parameters()):
+        out = layer(x)
+    out.sum().backward()
+    x_plain = x.detach().clone().requires_grad_()
+    plain = nn.Linear(4, 2)
+    plain.load_state_dict(layer.state_dict())
+    plain(x_plain).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, start + plain.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, plain.bias.grad)
+    torch.testing.assert_close(x.grad, x_plain.grad)
+
+
+def test_frozen_foreign_autocast_and_no_grad_linears_run_unchanged() -> None:
+    layer, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    layer.bias.requires_grad_(False)
+    x = torch.randn(2, 4)
+    with FusedWeightGradients([layer.weight, layer.bias]):
+        fused = layer(x)
+        assert "AccumulatingLinear" in type(fused.grad_fn).__name__
+        assert "AccumulatingLinear" not in type(other(x).grad_fn).__name__  # not one of the given parameters
+        with torch.no_grad():
+            assert layer(x).grad_fn is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert "AccumulatingLinear" not in type(layer(x).grad_fn).__name__
+    fused.sum().backward()
+    assert layer.weight.grad is not None and layer.bias.grad is None  # the frozen bias got nothing
+    layer.weight.requires_grad_(False)
+    with FusedWeightGradients([layer.weight]):
+        assert layer(x).grad_fn is None  # nothing requires grad: nothing to fuse
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_fused_stage_equals_autograd_with_and_without_checkpointing(checkpointing: bool) -> None:
+    chain = Chain(("linear", "residual", "norm", "gelu", "linear"), seed=4)
+    x, _ = chain.batch(5, 0)
+    batches = list(x.tensor_split(3))
+    want = _autograd_grads(chain.build(), batches)
+    stage = StageModule(0, 0, layers_of(chain.build()), checkpointing=checkpointing, fuse_min_elements=0)
+    for part in batches:
+        out = stage.run(part, fused=True)
+        assert isinstance(out, torch.Tensor)
+        out.square().sum().backward()
+    for param, grad in zip(stage.parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
