@@ -40,6 +40,7 @@ from torch import nn
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
 from stagewise.pipeline import FusedWeightGradients, Pipeline
+from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS
 
 
 class Block(nn.Module):
@@ -98,9 +99,10 @@ def _single(full: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
 
 def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, fused: bool = False) -> None:
     full.zero_grad()
+    large = [p for p in full.parameters() if p.numel() >= DEFAULT_MIN_ELEMENTS] if fused else []
     for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
-        if fused:
-            with FusedWeightGradients(full.parameters()):
+        if large:  # as Pipeline fuses by default
+            with FusedWeightGradients(large):
                 out = full(xs)
         else:
             out = full(xs)
@@ -152,7 +154,8 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> 
             schedule = name.removesuffix(UNFUSED)
             pipes[name] = Pipeline(
                 model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,  # type: ignore[arg-type]
-                loss_fn=F.mse_loss, mesh=mesh, timeout=600, fuse_weight_gradients=not name.endswith(UNFUSED),
+                loss_fn=F.mse_loss, mesh=mesh, timeout=600,
+                fuse_weight_gradients=None if name.endswith(UNFUSED) else DEFAULT_MIN_ELEMENTS,
             )  # fmt: skip
             variants[f"stagewise_{name}"] = functools.partial(_stagewise_step, pipes[name], x, y)
         mine = nn.Sequential(*list(model(d, n_layers))[half[rank] : half[rank + 1]])

@@ -11,6 +11,7 @@ import torch
 from stagewise.comm import Payload, PayloadLayout, Receiving, TensorMeta, Transport, as_tensors
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event
+from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
 from stagewise.pipeline.stage import StageModule, WeightUse
@@ -47,6 +48,17 @@ def handed_over(payload: Payload) -> Payload:
     tensors, is_tuple = as_tensors(payload)
     out = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
     return out if is_tuple else out[0]
+
+
+def forwards_first(actions: Sequence[Action]) -> bool:
+    """True when each stage's forwards all come before its first backward (GPipe), as in ``actions``."""
+    first_backward: dict[int, int] = {}
+    for i, action in enumerate(actions):
+        if action.kind.is_backward:
+            first_backward.setdefault(action.stage, i)
+        elif action.kind is Kind.F and action.stage in first_backward:
+            return False
+    return True
 
 
 class StageError(RuntimeError):
@@ -112,6 +124,9 @@ class Executor:
     accumulates linear weight gradients into ``.grad`` inside its GEMMs
     (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
     backward after which DDP all-reduces a stage, whose hooks must see it.
+    Where every forward of a stage precedes its backwards (GPipe), fused
+    weight gradients are deferred to the end of the step and computed as one
+    GEMM per weight over all micro-batches (:class:`WeightGradientStore`).
     """
 
     def __init__(
@@ -177,6 +192,8 @@ class Executor:
         run = _Run(self, actions, inputs, targets, loss_fn=loss_fn, training=training)
         for i, action in enumerate(actions):
             run.act(i, action)
+        if run.store is not None:
+            run.store.flush()
         self.transport.wait_sends()
         return StepResult(run.total, run.outputs, run.events, run.spans, run.losses)
 
@@ -212,6 +229,8 @@ class _Run:
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
+        self.store = WeightGradientStore() if training and executor.fuse and forwards_first(actions) else None
+        """Fused weight gradients deferred to the end of the step, when no stage's forward follows its backward."""
 
     def _now(self) -> float:
         return time.perf_counter() - self.start
@@ -276,7 +295,8 @@ class _Run:
         owners: list[WeightUse] = []
         try:
             fused = self.training and x.fuse and (s, mb) not in self.unfused
-            out = x.stages[s].run(data, owners if self.training and x.schedule.splits_backward else None, fused=fused)
+            owned = owners if self.training and x.schedule.splits_backward else None
+            out = x.stages[s].run(data, owned, fused=fused, store=self.store)
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(_failed(x.stages[s], mb, data, err)) from err
         slot = _Slot(inputs=data, output=out, owners=owners, received=received)  # type: ignore[arg-type]
@@ -335,6 +355,8 @@ class _Run:
             slot.owner_grads = [[None] * len(group) for group in per_owner]
         elif action.kind is Kind.B or not (wanted or per_owner):
             if sync:
+                if self.store is not None:
+                    self.store.flush()  # DDP all-reduces .grad during this backward: it must be complete
                 self._arm(s, roots)
             torch.autograd.backward(roots, root_grads)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
@@ -372,5 +394,7 @@ class _Run:
         self._done(slot)
 
     def _done(self, slot: _Slot) -> None:
+        if self.store is not None:
+            return  # deferred weight gradients may read received tensors until the flush: no reuse
         for payload in slot.received:
             self.x.transport.release(payload)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,38 +32,104 @@ def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         param.grad.addmm_(a, b)
 
 
+def _accumulate_bias(bias: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """``bias.grad += rows.sum(0)``, for a bias that trains."""
+    if bias is None or not bias.requires_grad:
+        return
+    total = rows.sum(0)
+    if bias.grad is None:
+        bias.grad = total
+    else:
+        bias.grad.add_(total)
+
+
+@dataclass
+class _Deferred:
+    """One weight's pending gradient: the output gradients and inputs of each backward, as rows."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    grads: list[torch.Tensor] = field(default_factory=list)
+    inputs: list[torch.Tensor] = field(default_factory=list)
+
+
+class WeightGradientStore:
+    """Weight gradients deferred to :meth:`flush`, which computes each weight's as one GEMM over every backward.
+
+    A fused backward with a store computes only its input gradient and
+    leaves its output gradient and input here. ``flush`` then adds
+    ``cat(grads).T @ cat(inputs)`` to each weight's ``.grad``: one pass over
+    the gradient for all micro-batches instead of one per micro-batch. The
+    store keeps those tensors alive until then.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[int, int], _Deferred] = {}
+        """Keyed by (weight, bias): a weight read with and without a bias keeps the two apart."""
+
+    def add(self, weight: torch.Tensor, bias: torch.Tensor | None, grads: torch.Tensor, inputs: torch.Tensor) -> None:
+        entry = self._pending.setdefault((id(weight), id(bias)), _Deferred(weight, bias))
+        entry.grads.append(grads.detach())
+        entry.inputs.append(inputs.detach())
+
+    def __len__(self) -> int:
+        """The number of (weight, bias) pairs with a pending gradient."""
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Add every pending gradient to its ``.grad``, and forget them."""
+        pending, self._pending = self._pending, {}
+        with torch.no_grad():  # gradients are not part of any graph
+            self._apply(pending.values())
+
+    @staticmethod
+    def _apply(pending: Iterable[_Deferred]) -> None:
+        for entry in pending:
+            g = entry.grads[0] if len(entry.grads) == 1 else torch.cat(entry.grads)
+            x = entry.inputs[0] if len(entry.inputs) == 1 else torch.cat(entry.inputs)
+            if entry.weight.requires_grad:
+                _accumulate(entry.weight, g.t(), x)
+            _accumulate_bias(entry.bias, g)
+
+
 class _AccumulatingLinear(torch.autograd.Function):
     """``F.linear`` whose backward accumulates the weight and bias gradients into their ``.grad`` itself.
 
     Autograd would compute each micro-batch's weight gradient into a new
     tensor and then add it to ``.grad``: a write, then a read of both and a
     write. One ``addmm_`` into ``.grad`` does the same sum with half the
-    memory traffic, which is most of a small micro-batch's backward. The
-    weight and bias get ``None`` from autograd (nothing is counted twice).
+    memory traffic, which is most of a small micro-batch's backward. With a
+    :class:`WeightGradientStore` the weight gradient is left to it instead.
+    The weight and bias get ``None`` from autograd (nothing is counted twice).
     """
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        store: WeightGradientStore | None,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.weight, ctx.bias = weight, bias  # type: ignore[attr-defined]
+        ctx.weight, ctx.bias, ctx.store = weight, bias, store  # type: ignore[attr-defined]
         return F.linear(x, weight, bias)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         (x,) = ctx.saved_tensors
-        weight, bias = ctx.weight, ctx.bias
+        weight, bias, store = ctx.weight, ctx.bias, ctx.store
         g = grad_out.reshape(-1, grad_out.shape[-1])
-        if weight.requires_grad:
-            _accumulate(weight, g.t(), x.reshape(-1, x.shape[-1]))
-        if bias is not None and bias.requires_grad:
-            total = g.sum(0)
-            if bias.grad is None:
-                bias.grad = total
-            else:
-                bias.grad.add_(total)
+        rows = x.reshape(-1, x.shape[-1])
+        if store is not None:
+            store.add(weight, bias, g, rows)
+        else:
+            if weight.requires_grad:
+                _accumulate(weight, g.t(), rows)
+            _accumulate_bias(bias, g)
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_in, None, None
+        return grad_in, None, None, None
 
 
 class FusedWeightGradients(TorchFunctionMode):
@@ -71,7 +138,8 @@ class FusedWeightGradients(TorchFunctionMode):
     This is gradient-accumulation fusion (as in Megatron-LM): over ``m``
     micro-batches each linear weight's gradient is summed by ``m`` GEMMs that
     write into ``.grad``, instead of ``m`` GEMMs into new tensors and ``m``
-    additions. The gradients are the same sums (equal up to rounding).
+    additions. The gradients are the same sums (equal up to rounding). With
+    a ``store`` the weight gradients wait there until its ``flush``.
 
     Only the forward needs the mode: what it records decides the backward.
     Ops under autocast, without grad mode, or on weights outside ``params``
@@ -82,9 +150,11 @@ class FusedWeightGradients(TorchFunctionMode):
     the mode (see :class:`stagewise.Pipeline`).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+    def __init__(self, params: Iterable[torch.Tensor], *, store: WeightGradientStore | None = None) -> None:
         super().__init__()
         self.ids = frozenset(id(p) for p in params)
+        self.store = store
+        """Where backwards leave their weight gradients, when deferred; None accumulates them at once."""
 
     def __torch_function__(
         self,
@@ -102,7 +172,7 @@ class FusedWeightGradients(TorchFunctionMode):
                 and isinstance(x, torch.Tensor)
                 and not torch.is_autocast_enabled(x.device.type)
             ):
-                return _AccumulatingLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+                return _AccumulatingLinear.apply(x, weight, bias, self.store)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.partition import Layer, Segment, layers_of, shared_parameters
-from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS, FusedWeightGradients
+from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS, FusedWeightGradients, WeightGradientStore
 from stagewise.pipeline.tied import retie
 
 log = logging.getLogger(__name__)
@@ -159,18 +159,26 @@ class StageModule(nn.Module):
         if self.capture is not None:
             self.capture.append(WeightUse(params, output))
 
-    def run(self, x: object, owners: list[WeightUse] | None = None, *, fused: bool = False) -> object:
+    def run(
+        self,
+        x: object,
+        owners: list[WeightUse] | None = None,
+        *,
+        fused: bool = False,
+        store: WeightGradientStore | None = None,
+    ) -> object:
         """Apply the layers in order.
 
         With ``owners``, record every use of parameters (see :class:`WeightUse`).
         With ``fused``, the backward of this forward accumulates the gradients
         of linear weights of at least :attr:`fuse_min_elements` elements
-        straight into ``.grad`` (see :class:`FusedWeightGradients`).
+        straight into ``.grad`` (see :class:`FusedWeightGradients`), or into
+        ``store`` until its ``flush``.
         """
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         large = [p for p in self.parameters() if p.numel() >= self.fuse_min_elements] if fused else []
-        call = functools.partial(_fused_call, FusedWeightGradients(large)) if large else _call
+        call = functools.partial(_fused_call, FusedWeightGradients(large, store=store)) if large else _call
         try:
             with cast:
                 for layer in self.layers:

@@ -9,7 +9,9 @@ from chains import Chain
 from torch import nn
 
 from stagewise.partition import layers_of
-from stagewise.pipeline import FusedWeightGradients
+from stagewise.pipeline import FusedWeightGradients, build
+from stagewise.pipeline.executor import forwards_first
+from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.stage import StageModule
 
 
@@ -99,3 +101,29 @@ def test_a_fused_stage_equals_autograd_with_and_without_checkpointing(checkpoint
         out.square().sum().backward()
     for param, grad in zip(stage.parameters(), want, strict=True):
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_store_defers_weight_gradients_to_one_gemm_per_weight() -> None:
+    torch.manual_seed(2)
+    model = TiedHead()
+    batches = [torch.randn(2, 3, 6, requires_grad=True) for _ in range(4)]  # as activations from a stage
+    want = _autograd_grads(model, batches)
+    model.zero_grad(set_to_none=True)
+    store = WeightGradientStore()
+    for x in batches:
+        with FusedWeightGradients(model.parameters(), store=store):
+            out = model(x)
+        out.square().sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing yet: it all waits in the store
+    assert len(store) == 3  # proj.weight with its bias, proj.weight without, and out.weight
+    store.flush()
+    assert len(store) == 0
+    for param, grad in zip(model.parameters(), want, strict=True):
+        assert param.grad is not None and param.grad.grad_fn is None and not param.grad.requires_grad
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
+
+
+def test_only_schedules_whose_forwards_come_first_defer() -> None:
+    assert forwards_first(build("gpipe", 2, 4).ranks[1])
+    assert not forwards_first(build("1f1b", 2, 4).ranks[1])
+    assert forwards_first(build("1f1b", 2, 1).ranks[0])  # one micro-batch: F then B

@@ -122,6 +122,7 @@ def test_every_schedule_on_a_fixed_case() -> None:
     chain = Chain(("linear", "gelu", "residual", "norm", "linear", "residual"), with_ids=True, seed=3)
     fixed = [
         Case(chain, (0, 2, 5, 8), "gpipe", 1, 5, 13),
+        Case(chain, (0, 5, 6, 8), "gpipe", 1, 4, 9),  # a lone linear: what its deferred W reads was received
         Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11),
         Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11, fused=False),
         Case(chain, (0, 1, 6, 8), "zero-bubble", 1, 7, 9),
