@@ -4,8 +4,9 @@ On identical stages and data (residual-MLP blocks of width d, L blocks,
 batch B, m micro-batches, one thread per process), in one run:
 
 - single process, full batch, and single process, micro-batched (gradient
-  accumulation), the latter both with autograd's accumulation and with
-  stagewise's fused weight-gradient accumulation;
+  accumulation), the latter with autograd's accumulation, with stagewise's
+  fused weight-gradient accumulation, and with it deferred to one GEMM per
+  weight at the end of the step (as stagewise's GPipe does);
 - stagewise.Pipeline with gpipe and 1f1b (fused accumulation, the default,
   and autograd's), and zero-bubble;
 - torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages.
@@ -13,7 +14,8 @@ batch B, m micro-batches, one thread per process), in one run:
 Efficiency is the micro-batched single-process step time (autograd's
 accumulation) over p times the pipeline's step time (ideal m / (m + p - 1) =
 0.889 for m=8, p=2); same-compute efficiency divides the single-process time
-with the same accumulation as the variant instead. Peak activation memory is
+with the same accumulation as the variant (fused for 1f1b, deferred for gpipe)
+instead. Peak activation memory is
 the largest total of tensors saved for backward that stage 0 holds at once.
 One JSON line per (d, variant):
 
@@ -40,7 +42,7 @@ from torch import nn
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
 from stagewise.pipeline import FusedWeightGradients, Pipeline
-from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS
+from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS, WeightGradientStore
 
 
 class Block(nn.Module):
@@ -97,16 +99,20 @@ def _single(full: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.mse_loss(full(x), y).backward()
 
 
-def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, fused: bool = False) -> None:
+def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, how: str = "autograd") -> None:
+    """Gradient accumulation over m micro-batches: by autograd, or fused as Pipeline fuses (and defers, for GPipe)."""
     full.zero_grad()
-    large = [p for p in full.parameters() if p.numel() >= DEFAULT_MIN_ELEMENTS] if fused else []
+    large = [p for p in full.parameters() if p.numel() >= DEFAULT_MIN_ELEMENTS] if how != "autograd" else []
+    store = WeightGradientStore() if how == "deferred" else None
     for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
-        if large:  # as Pipeline fuses by default
-            with FusedWeightGradients(large):
+        if large:
+            with FusedWeightGradients(large, store=store):
                 out = full(xs)
         else:
             out = full(xs)
         (F.mse_loss(out, ys) / m).backward()
+    if store is not None:
+        store.flush()
 
 
 def _stagewise_step(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -128,6 +134,10 @@ VARIANTS = ("gpipe", "1f1b", "zero-bubble", f"gpipe{UNFUSED}", f"1f1b{UNFUSED}")
 """stagewise's variants: each schedule with fused weight-gradient accumulation (the default; zero-bubble's W is
 autograd's either way), and gpipe and 1f1b with autograd's accumulation."""
 
+SAME_COMPUTE = {"gpipe": "deferred", "1f1b": "fused"}
+"""How each variant accumulates weight gradients, as the single-process reference of its same-compute efficiency."""
+SINGLES = ("single_full_batch", "single_microbatched", "single_microbatched_fused", "single_microbatched_deferred")
+
 
 def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> list[dict[str, object]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -145,9 +155,10 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> 
         # The single-process references run on rank 0 alone while rank 1 waits.
         variants["single_full_batch"] = functools.partial(_single, full, x, y) if rank == 0 else idle
         variants["single_microbatched"] = functools.partial(_accumulated, full, x, y, m) if rank == 0 else idle
-        variants["single_microbatched_fused"] = (
-            functools.partial(_accumulated, full, x, y, m, True) if rank == 0 else idle
-        )
+        for how in ("fused", "deferred"):
+            variants[f"single_microbatched_{how}"] = (
+                functools.partial(_accumulated, full, x, y, m, how) if rank == 0 else idle
+            )
         half = (0, n_layers // 2, n_layers)
         pipes = {}
         for name in VARIANTS:
@@ -200,13 +211,13 @@ def main() -> None:
         t0: dict[str, float] = r0["times"]  # type: ignore[assignment]
         t1: dict[str, float] = r1["times"]  # type: ignore[assignment]
         both = {k: max(t0[k], t1[k]) for k in t0}  # a pipeline step ends when both ranks are done
-        for single in ("single_full_batch", "single_microbatched", "single_microbatched_fused"):
+        for single in SINGLES:
             both[single] = t0[single]
         ref = both["single_microbatched"]
         for variant in VARIANTS:
             ours = both[f"stagewise_{variant}"]
-            fused = not variant.endswith(UNFUSED) and variant != "zero-bubble"
-            same = both["single_microbatched_fused"] if fused else ref
+            how = SAME_COMPUTE.get(variant)  # None: autograd's accumulation, as the reference
+            same = both[f"single_microbatched_{how}"] if how else ref
             row: dict[str, object] = {
                 "d": d,
                 "variant": f"stagewise {variant}",
@@ -230,6 +241,7 @@ def main() -> None:
                     "full_batch_ms": round(both["single_full_batch"] * 1e3, 2),
                     "microbatched_ms": round(ref * 1e3, 2),
                     "microbatched_fused_ms": round(both["single_microbatched_fused"] * 1e3, 2),
+                    "microbatched_deferred_ms": round(both["single_microbatched_deferred"] * 1e3, 2),
                 }
             ),
             flush=True,
