@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import socket
 import sys
@@ -10,6 +11,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Literal, TypedDict, TypeVar
 
@@ -157,7 +159,32 @@ def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[Laun
     :class:`LaunchError` with the failing rank's traceback; with
     ``max_restarts`` the agent first restarts the whole group that many times.
     """
-    return _run(fn, args, nprocs, options)
+    return _run(_Returning(fn), args, nprocs, options)
+
+
+class _Returning:
+    """Calls ``fn`` and checks that its result can travel back to the launcher.
+
+    The agent pickles each rank's result after ``fn`` has returned, outside
+    the scope that records a rank's exception, so an unpicklable result (a
+    tensor attached to an autograd graph) would fail without its cause.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)  # the agent names the job after fn
+
+    def __call__(self, *args: Any) -> Any:
+        result = self.fn(*args)
+        try:
+            ForkingPickler.dumps(result)
+        except Exception as err:
+            name = getattr(self.fn, "__name__", "the function")
+            raise TypeError(
+                f"{name} returned a value that cannot be sent back to the launcher: "
+                f"{type(err).__name__}: {err}; return plain values (detach tensors, drop modules and groups)"
+            ) from err
+        return result
 
 
 def launch_module(module: str, argv: Sequence[str], nprocs: int, **options: Unpack[LaunchOptions]) -> None:

@@ -45,6 +45,19 @@ def test_a_failing_rank_surfaces_its_traceback() -> None:
     assert str(info.value).startswith("rank 1 failed (exit code 1): ValueError: rank one cannot go on")
 
 
+def return_a_graph() -> torch.Tensor:
+    return torch.ones(2, requires_grad=True) * 2  # attached to autograd: cannot cross processes
+
+
+def test_a_result_that_cannot_come_back_is_named() -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(return_a_graph, 2)
+    assert info.value.failures[0].message.startswith(
+        "TypeError: return_a_graph returned a value that cannot be sent back to the launcher: RuntimeError: "
+        "Cowardly refusing to serialize non-leaf tensor which requires_grad"
+    )
+
+
 def test_launch_module_reports_the_failing_rank(tmp_path: Path) -> None:
     from stagewise.comm import launch_module
 
