@@ -142,6 +142,7 @@ class StageModule(nn.Module):
         self.fuse_min_elements = fuse_min_elements
         """The smallest weight whose gradient a fused forward accumulates itself (see :meth:`run`)."""
         self.capture: list[WeightUse] | None = None
+        self._large: list[nn.Parameter] | None = None
         """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
         segments = [layer for layer in self.layers if isinstance(layer, Segment)]
         inside = {id(m) for segment in segments for m in segment.modules()}
@@ -177,7 +178,7 @@ class StageModule(nn.Module):
         """
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
-        large = [p for p in self.parameters() if p.numel() >= self.fuse_min_elements] if fused else []
+        large = self._fusible() if fused else []
         call = functools.partial(_fused_call, FusedWeightGradients(large, store=store)) if large else _call
         try:
             with cast:
@@ -190,6 +191,12 @@ class StageModule(nn.Module):
         finally:
             self.capture = None
         return x
+
+    def _fusible(self) -> list[nn.Parameter]:
+        """The parameters a fused forward may take, listed once: a stage's parameters are fixed once it runs."""
+        if self._large is None:
+            self._large = [p for p in self.parameters() if p.numel() >= self.fuse_min_elements]
+        return self._large
 
     def forward(self, x: object) -> object:
         return self.run(x)
