@@ -2,10 +2,11 @@
 
 For each size, rank 0 sends a float32 tensor to rank 1, which sends it back;
 the round trip of stagewise.comm.Transport (metadata, batched non-blocking
-ops, reused receive buffers) is compared with dist.send/dist.recv of the same
-tensors into preallocated buffers. The two are timed in alternating blocks in
-the same processes; ``ratio`` is the median over blocks of ours / raw of
-adjacent blocks, which cancels most of the drift of a shared machine. One
+ops, reused receive buffers, on a dedicated group as Pipeline uses it) is
+compared with dist.send/dist.recv of the same tensors into preallocated
+buffers. The variants are timed in blocks in the same processes, in an
+order that rotates; ``ratio`` is the median over repeats of ours / raw of the
+same repeat, which cancels most of the drift of a shared machine. One
 JSON line per size. ``pipeline_*`` is the round trip as the pipeline makes it:
 the activation with its metadata protocol, the gradient back without
 metadata (the receiver knows its layout).
@@ -69,7 +70,7 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=120)
     rank = mesh.rank
-    transport = Transport(timeout=120)
+    transport = Transport(timeout=120, dedicated=True)  # as Pipeline makes it
     rows = []
     for kib in sizes_kib:
         t = torch.randn(kib * 1024 // 4)

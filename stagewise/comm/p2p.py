@@ -98,24 +98,44 @@ class _Channel:
     """The layout of the last message."""
     stable: bool = False
     """True when the last message had the same layout as the one before it."""
+    count: int = 0
+    """Messages so far; each control word carries its message's number."""
+    standing: torch.Tensor | None = None
+    """Receiver, gloo, stable: the buffer of the control receive left posted for the next change of layout."""
+    standing_work: dist.Work | None = None
+    notice: tuple[int, int] | None = None
+    """Receiver: a change of layout announced for a later message, (its number, metadata length)."""
 
 
 class Transport:
     """Sends and receives payloads between this rank and its pipeline neighbours.
 
-    Each message is a control word (0, or the length of new metadata), the
-    metadata when the payload's dtypes, shapes or requires-grad flags changed
-    since the last message on the same (peer, stream), then the tensors, all
-    posted as one batch of non-blocking operations in a fixed order. Nothing
-    is pickled. A receiver learns a payload's layout once and again only when
-    it changes, so variable sequence lengths work.
+    Each message is a control word (the message's number, and 0 or the
+    length of new metadata), the metadata when the payload's dtypes, shapes or
+    requires-grad flags changed since the last message on the same (peer,
+    stream), then the tensors, all posted as one batch of non-blocking
+    operations in a fixed order. Nothing is pickled. A receiver learns a
+    payload's layout once and again only when it changes, so variable
+    sequence lengths work.
 
-    Under gloo, whose point-to-point tags keep control words and data apart,
-    a stream whose last two messages had the same layout turns speculative:
-    the receiver posts the data receive together with the control word, so a
-    steady stream adds no round trip before its data. When such a stream
-    changes layout, the sender also sends one stand-in of the old layout to
-    complete that receive, ahead of the new data.
+    Under gloo, a stream whose last two messages had the same layout turns
+    steady: the receiver posts the data receive, in the layout it knows,
+    together with the control word's, so a steady stream adds no round trip
+    before its data. When the layout changes, the sender sends the control
+    word and the metadata, then a stand-in of the old layout to complete the
+    posted data receive, then the new data; the stream is no longer steady
+    until two messages agree again.
+
+    With ``dedicated=True`` (gloo), the transport creates a process group of
+    its own over ``group``'s ranks, collectively (every rank of the default
+    group must construct it, in the same order), and steady messages are the
+    data alone, as raw ``send``/``recv`` would send them: the receiver keeps
+    one control receive posted for the next change, which on a group of its
+    own can take no one else's message. Gloo delivers the messages between
+    two ranks in the order they were posted, so a stand-in never completes
+    before its control word has landed: after each steady data receive the
+    receiver reads the standing control buffer to learn whether it got data
+    or a stand-in.
 
     Received tensors that required grad on the sender require grad here; integer
     and boolean tensors never do. ``release`` hands received tensors back for
@@ -133,21 +153,26 @@ class Transport:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
         timeout: float | timedelta = 300.0,
+        dedicated: bool = False,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Transport needs an initialised process group; call stagewise.comm.init_mesh first")
-        self.group = group
         self.device = torch.device(device)
         self.timeout = _seconds(timeout)
         self.rank = dist.get_rank()
         self.speculate = dist.get_backend(group) == "gloo"
+        self.standing = dedicated and self.speculate
+        """Steady streams drop their control words (gloo, on a group of this transport's own)."""
+        if self.standing:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+        self.group = group
         self._coalesces = not self.speculate
         self._sent: dict[tuple[int, int], _Channel] = {}
         self._received: dict[tuple[int, int], _Channel] = {}
         self._pool: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
         self._in_flight: list[Pending] = []
         self._receiving: set[tuple[int, int]] = set()
-        self._unchanged = torch.zeros(1, dtype=torch.int64, device=self.device)  # read-only control word
 
     def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
         return [dist.P2POp(fn, t, peer, self.group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
@@ -174,20 +199,28 @@ class Transport:
             return self._start(self._ops(dist.isend, data, to, 2 * stream + 1), to, what, data)
         layout: PayloadLayout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
         channel = self._sent.setdefault((to, stream), _Channel())
+        channel.count += 1
         data = [t.detach().to(self.device).contiguous() for t in tensors]
-        if channel.layout == layout:
-            control = [self._unchanged]
-        else:
+        same = channel.layout == layout
+        steady = self.speculate and channel.stable
+        control: list[torch.Tensor] = []
+        if not same:
             header = encode(layout[1], is_tuple=is_tuple).to(self.device)
-            control = [torch.tensor([header.numel()], dtype=torch.int64, device=self.device), header]
-        if self.speculate and channel.stable and channel.layout != layout:
+            control = [self._word(channel.count, header.numel()), header]
+        elif not (steady and self.standing):
+            control = [self._word(channel.count, 0)]
+        if steady and not same:
             # The receiver has posted a receive of the old layout: complete it with a stand-in first.
             assert channel.layout is not None
             data = [m.empty(self.device).zero_() for m in channel.layout[1]] + data
         ops = self._ops(dist.isend, control, to, 2 * stream) + self._ops(dist.isend, data, to, 2 * stream + 1)
-        channel.stable = channel.layout == layout
+        channel.stable = same
         channel.layout = layout
         return self._start(ops, to, what, control + data)
+
+    def _word(self, number: int, words: int) -> torch.Tensor:
+        """A control word: the message's number, and the length of the metadata that follows (0: none)."""
+        return torch.tensor([number, words], dtype=torch.int64, device=self.device)
 
     def _start(self, ops: list[dist.P2POp], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
         pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep)
@@ -257,24 +290,52 @@ class Receiving:
         self.transport, self.src, self.stream, self.what = transport, src, stream, what
         t = transport
         self.expect = expect
-        self.channel = t._received.setdefault((src, stream), _Channel())
-        self.control = torch.empty(1, dtype=torch.int64, device=t.device)
-        control_ops = t._ops(dist.irecv, [self.control], src, 2 * stream)
+        self.channel = channel = t._received.setdefault((src, stream), _Channel())
         self.buffers: list[torch.Tensor] = []
         self.result: Payload | None = None
+        self.control = torch.zeros(2, dtype=torch.int64, device=t.device)
         self.control_work: dist.Work | None = None
         if expect is not None:
             self.buffers = [t._take(m) for m in expect[1]]
             self.data_works = t._post(t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
             return
-        if t.speculate and self.channel.stable:
-            assert self.channel.layout is not None
-            self.buffers = [t._take(m) for m in self.channel.layout[1]]
-            works = t._post(control_ops + t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
+        self.steady = t.speculate and channel.stable
+        if self.steady:
+            assert channel.layout is not None
+            control = [self.control]
+            if t.standing:  # the control word comes only with a change: leave one receive posted for it
+                control = []
+                if channel.standing is None and channel.notice is None:
+                    channel.standing = torch.zeros(2, dtype=torch.int64, device=t.device)
+                    control = [channel.standing]
+            self.buffers = [t._take(m) for m in channel.layout[1]]
+            works = t._post(
+                t._ops(dist.irecv, control, src, 2 * stream) + t._ops(dist.irecv, self.buffers, src, 2 * stream + 1)
+            )
+            if control and t.standing:
+                channel.standing_work = works.pop(0)
+            elif control:
+                self.control_work = works.pop(0)
+            self.data_works = works
         else:
-            works = t._post(control_ops)
-        self.control_work = works[0]
-        self.data_works = works[1:]
+            self.control_work = t._post(t._ops(dist.irecv, [self.control], src, 2 * stream))[0]
+            self.data_works = []
+
+    def _announced(self, number: int) -> int:
+        """After a steady message's data receive: the metadata length when it was a stand-in, else 0."""
+        t, channel = self.transport, self.channel
+        notice = channel.notice
+        if notice is None and channel.standing is not None and int(channel.standing[0].item()) != 0:
+            # A control word has landed (or is landing) in the standing receive: complete it and read it.
+            assert channel.standing_work is not None
+            t._wait_all([channel.standing_work], self.src, f"{self.what} (control word)")
+            notice = (int(channel.standing[0].item()), int(channel.standing[1].item()))
+            channel.standing = channel.standing_work = None
+        if notice is not None and notice[0] == number:
+            channel.notice = None
+            return notice[1]
+        channel.notice = notice  # none, or a change announced for a later message
+        return 0
 
     def wait(self) -> Payload:
         """The payload; blocks up to the transport's timeout per wait."""
@@ -290,13 +351,25 @@ class Receiving:
                 b.requires_grad_(m.requires_grad)
             self.result = tuple(self.buffers) if self.expect[0] else self.buffers[0]
             return self.result
-        assert self.control_work is not None
         try:
-            # The data (or the stand-in for the old layout) follows its control word, so waiting for it
-            # first leaves nothing to wait for in the control word: one wake-up per message, not two.
+            channel.count += 1
+            # The data (or the stand-in for the old layout) follows its control word, so waiting for the
+            # data first leaves nothing to wait for in the control word: one wake-up per message, not two.
             t._wait_all(self.data_works, src, what)
-            t._wait_all([self.control_work], src, f"{what} (control word)")
-            words = int(self.control.item())
+            if self.steady and t.standing:
+                words = self._announced(channel.count)
+            else:
+                assert self.control_work is not None
+                t._wait_all([self.control_work], src, f"{what} (control word)")
+                number, words = (int(v) for v in self.control.tolist())
+                if number != channel.count:
+                    raise CommError(
+                        f"rank {t.rank} got message {number} from rank {src} on stream {stream} where it expected "
+                        f"message {channel.count}; both sides must exchange messages in the same order",
+                        rank=t.rank,
+                        peer=src,
+                        what=what,
+                    )
             buffers = self.buffers
             if words:
                 if buffers:

@@ -203,7 +203,8 @@ class Pipeline:
         self.ties = Ties(layers, shared, partition, plan, self.mesh)
         self.ties.synchronise()
         peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
-        self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout))
+        # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
+        self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout), dedicated=True)
         dp = self.mesh.layout.dp
         self.replicas = None
         if dp > 1:

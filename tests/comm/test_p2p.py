@@ -48,10 +48,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
 
 
-def echo(messages: list[object], delay: float = 0.0) -> list[tuple[object, list[bool]]]:
+def echo(messages: list[object], delay: float = 0.0, dedicated: bool = False) -> list[tuple[object, list[bool]]]:
     """Rank 0 sends every message to rank 1, which receives them in order (after ``delay`` seconds)."""
     init_mesh(2, timeout=30)
-    transport = Transport(timeout=30)
+    transport = Transport(timeout=30, dedicated=dedicated)
     received = []
     if dist.get_rank() == 1:
         time.sleep(delay)
@@ -69,9 +69,9 @@ def echo(messages: list[object], delay: float = 0.0) -> list[tuple[object, list[
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(st.lists(payloads, min_size=8, max_size=16))
-def test_round_trips_are_bit_identical(messages: list[object]) -> None:
-    received = run_ranks(echo, 2, messages)[1]
+@given(st.lists(payloads, min_size=8, max_size=16), st.booleans())
+def test_round_trips_are_bit_identical(messages: list[object], dedicated: bool) -> None:
+    received = run_ranks(echo, 2, messages, 0.0, dedicated)[1]
     assert len(received) == len(messages)
     for sent, (got, grads) in zip(messages, received, strict=True):
         sent_tensors, sent_tuple = as_tensors(sent)
@@ -99,25 +99,64 @@ def test_changing_shapes_and_integer_tensors() -> None:
     assert received[2][1] == [True, False, False]
 
 
-def test_steady_streams_that_change_layout() -> None:
-    # Runs of equal layouts make the stream speculative; each change after a run needs a stand-in message.
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_steady_streams_that_change_layout(dedicated: bool) -> None:
+    # Runs of equal layouts make the stream steady; each change after a run needs a stand-in message.
     a, b, c = torch.randn(4, 3), torch.randn(2, 5, requires_grad=True), (torch.arange(3), torch.randn(3))
     messages: list[object] = [a, a * 2, a * 3, b, b * 2, b * 3, a, c, c, c, b]
-    received = run_ranks(echo, 2, messages)[1]
+    received = run_ranks(echo, 2, messages, 0.0, dedicated)[1]
     for sent, (got, _) in zip(messages, received, strict=True):
         for x, y in zip(as_tensors(sent)[0], as_tensors(got)[0], strict=True):
             assert same_bits(x, y)
 
 
-def test_a_change_announced_while_the_receiver_is_behind() -> None:
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_a_change_announced_while_the_receiver_is_behind(dedicated: bool) -> None:
     # The sender runs ahead and has posted everything, the change of layout at message 5 with its stand-in,
-    # before the late receiver reads the steady messages before it; they must come through as data.
+    # before the late receiver reads the steady messages before it; they must come through as data. (With a
+    # dedicated group, the change's control word lands in the receive left posted while the receiver is
+    # still at message 3 or 4.)
     a, b = torch.randn(64, 3), torch.randn(5, 2)
     messages: list[object] = [a, a + 1, a + 2, a + 3, a + 4, b, b + 1, b + 2, a]
-    received = run_ranks(echo, 2, messages, 1.0)[1]
+    received = run_ranks(echo, 2, messages, 1.0, dedicated)[1]
     for sent, (got, _) in zip(messages, received, strict=True):
         for x, y in zip(as_tensors(sent)[0], as_tensors(got)[0], strict=True):
             assert same_bits(x, y)
+
+
+def neighbours_on_the_same_ranks() -> list[float]:
+    """Two dedicated transports with steady streams, and raw sends on tag 0, between the same two ranks."""
+    init_mesh(2, timeout=30)
+    first, second = Transport(timeout=30, dedicated=True), Transport(timeout=30, dedicated=True)
+    got: list[float] = []
+    for step in range(4):
+        for transport, value in ((first, 1.0), (second, 2.0)):
+            if dist.get_rank() == 0:
+                transport.send(torch.full((3,), value + step), 1, what="x")
+                transport.wait_sends()
+            else:
+                got.append(float(transport.recv(0, what="x")[0]))  # type: ignore[index]
+        raw = torch.full((3,), 10.0 + step)
+        if dist.get_rank() == 0:
+            dist.send(raw, 1)  # tag 0, on the default group: no standing receive may take it
+        else:
+            dist.recv(raw, 0)
+            got.append(float(raw[0]))
+    if dist.get_rank() == 0:  # a change of layout after all that: its control word lands where it should
+        first.send(torch.zeros(7), 1, what="change")
+        first.wait_sends()
+    else:
+        changed = first.recv(0, what="change")
+        assert isinstance(changed, torch.Tensor)
+        got.append(float(changed.numel()))
+    dist.barrier()
+    dist.destroy_process_group()
+    return got
+
+
+def test_dedicated_transports_take_no_one_elses_messages() -> None:
+    got = run_ranks(neighbours_on_the_same_ranks, 2)[1]
+    assert got == [1.0, 2.0, 10.0, 2.0, 3.0, 11.0, 3.0, 4.0, 12.0, 4.0, 5.0, 13.0, 7.0]
 
 
 def reuse_buffers() -> tuple[bool, bool, bool]:
