@@ -281,6 +281,9 @@ class Transport:
                 stack.append(t)
 
 
+_NO_CONTROL = torch.empty(0, dtype=torch.int64)
+
+
 class Receiving:
     """A posted receive; :meth:`wait` returns the payload (see :meth:`Transport.irecv`)."""
 
@@ -293,7 +296,7 @@ class Receiving:
         self.channel = channel = t._received.setdefault((src, stream), _Channel())
         self.buffers: list[torch.Tensor] = []
         self.result: Payload | None = None
-        self.control = torch.zeros(2, dtype=torch.int64, device=t.device)
+        self.control = _NO_CONTROL  # a buffer only where a control word is awaited with this message
         self.control_work: dist.Work | None = None
         if expect is not None:
             self.buffers = [t._take(m) for m in expect[1]]
@@ -302,8 +305,9 @@ class Receiving:
         self.steady = t.speculate and channel.stable
         if self.steady:
             assert channel.layout is not None
-            control = [self.control]
-            if t.standing:  # the control word comes only with a change: leave one receive posted for it
+            if not t.standing:
+                control = [self._control_buffer()]
+            else:  # the control word comes only with a change: leave one receive posted for it
                 control = []
                 if channel.standing is None and channel.notice is None:
                     channel.standing = torch.zeros(2, dtype=torch.int64, device=t.device)
@@ -318,8 +322,12 @@ class Receiving:
                 self.control_work = works.pop(0)
             self.data_works = works
         else:
-            self.control_work = t._post(t._ops(dist.irecv, [self.control], src, 2 * stream))[0]
+            self.control_work = t._post(t._ops(dist.irecv, [self._control_buffer()], src, 2 * stream))[0]
             self.data_works = []
+
+    def _control_buffer(self) -> torch.Tensor:
+        self.control = torch.empty(2, dtype=torch.int64, device=self.transport.device)
+        return self.control
 
     def _announced(self, number: int) -> int:
         """After a steady message's data receive: the metadata length when it was a stand-in, else 0."""
