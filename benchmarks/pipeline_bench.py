@@ -5,19 +5,19 @@ batch B, m micro-batches, one thread per process), in one run:
 
 - single process, full batch, and single process, micro-batched (gradient
   accumulation), the latter with autograd's accumulation, with stagewise's
-  fused weight-gradient accumulation, and with it deferred to one GEMM per
-  weight at the end of the step (as stagewise's GPipe does);
+  fused weight-gradient accumulation, and with it pooled into one GEMM per
+  weight every 2 micro-batches and over the whole step (as stagewise's GPipe
+  does);
 - stagewise.Pipeline with gpipe and 1f1b (fused accumulation, the default,
-  and autograd's), and zero-bubble;
+  and autograd's), 1f1b pooling every 2 backwards, and zero-bubble;
 - torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages.
 
 Efficiency is the micro-batched single-process step time (autograd's
 accumulation) over p times the pipeline's step time (ideal m / (m + p - 1) =
 0.889 for m=8, p=2); same-compute efficiency divides the single-process time
-with the same accumulation as the variant (fused for 1f1b, deferred for gpipe)
-instead. Peak activation memory is
-the largest total of tensors saved for backward that stage 0 holds at once.
-One JSON line per (d, variant):
+with the same accumulation as the variant instead. Peak activation memory is
+the largest total of tensors that stage 0 holds at once for backward: saved
+by autograd, or kept for a pooled weight gradient. One JSON line per (d, variant):
 
     python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6]
 """
@@ -41,8 +41,7 @@ from torch import nn
 
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
-from stagewise.pipeline import FusedWeightGradients, Pipeline
-from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS, WeightGradientStore
+from stagewise.pipeline import FusedWeightGradients, Pipeline, WeightGradientFusion, WeightGradientStore
 
 
 class Block(nn.Module):
@@ -64,7 +63,7 @@ def model(d: int, n_layers: int) -> nn.Sequential:
 
 @contextmanager
 def saved_bytes(params: Iterator[nn.Parameter]) -> Iterator[list[int]]:
-    """Track the peak bytes of activations autograd keeps for backward (the parameters excluded)."""
+    """Track the peak bytes kept for backward (the parameters excluded): saved by autograd or for pooled gradients."""
     weights = {p.untyped_storage().data_ptr() for p in params}
     state = [0, 0]  # live, peak
     live: dict[int, int] = {}
@@ -88,9 +87,23 @@ def saved_bytes(params: Iterator[nn.Parameter]) -> Iterator[list[int]]:
         weakref.finalize(t, drop, key, size)
         return t
 
+    add = WeightGradientStore.add
+    counted: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+    def pool(store: WeightGradientStore, *args: Any) -> None:
+        add(store, *args)
+        for t in store.tensors():
+            if t not in counted:
+                counted.add(t)
+                pack(t)
+
     peak = [0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield peak
+    WeightGradientStore.add = pool  # type: ignore[method-assign]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield peak
+    finally:
+        WeightGradientStore.add = add  # type: ignore[method-assign]
     peak[0] = state[1]
 
 
@@ -99,18 +112,25 @@ def _single(full: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     F.mse_loss(full(x), y).backward()
 
 
-def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, how: str = "autograd") -> None:
-    """Gradient accumulation over m micro-batches: by autograd, or fused as Pipeline fuses (and defers, for GPipe)."""
+def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, pool: int | None = 0) -> None:
+    """Gradient accumulation over m micro-batches as Pipeline's default fusion does it, pooling every ``pool``.
+
+    ``pool`` 0: by autograd; 1: fused; None: pooled over the whole step.
+    """
     full.zero_grad()
-    large = [p for p in full.parameters() if p.numel() >= DEFAULT_MIN_ELEMENTS] if how != "autograd" else []
-    store = WeightGradientStore() if how == "deferred" else None
-    for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+    fusion = WeightGradientFusion()
+    least = fusion.threshold(pooled=pool != 1)
+    large = [p for p in full.parameters() if p.numel() >= least] if pool != 0 else []
+    store = WeightGradientStore() if pool != 1 else None
+    for i, (xs, ys) in enumerate(zip(x.tensor_split(m), y.tensor_split(m), strict=True)):
         if large:
             with FusedWeightGradients(large, store=store):
                 out = full(xs)
         else:
             out = full(xs)
         (F.mse_loss(out, ys) / m).backward()
+        if store is not None and pool and (i + 1) % pool == 0:
+            store.flush()
     if store is not None:
         store.flush()
 
@@ -130,13 +150,31 @@ def _torch_step(sched: Any, mine: nn.Module, rank: int, x: torch.Tensor, y: torc
 
 
 UNFUSED = " (autograd accumulation)"
-VARIANTS = ("gpipe", "1f1b", "zero-bubble", f"gpipe{UNFUSED}", f"1f1b{UNFUSED}")
-"""stagewise's variants: each schedule with fused weight-gradient accumulation (the default; zero-bubble's W is
-autograd's either way), and gpipe and 1f1b with autograd's accumulation."""
+POOLED = ", pool 2"
+VARIANTS: dict[str, WeightGradientFusion | None] = {
+    "gpipe": WeightGradientFusion(),
+    "1f1b": WeightGradientFusion(),
+    f"1f1b{POOLED}": WeightGradientFusion(pool=2),
+    "zero-bubble": WeightGradientFusion(),
+    f"gpipe{UNFUSED}": None,
+    f"1f1b{UNFUSED}": None,
+}
+"""stagewise's variants and their weight-gradient accumulation: the default (GPipe pools the whole step, 1F1B fuses
+each backward; zero-bubble's W is autograd's either way), 1F1B pooling every 2 backwards, and autograd's."""
 
-SAME_COMPUTE = {"gpipe": "deferred", "1f1b": "fused"}
-"""How each variant accumulates weight gradients, as the single-process reference of its same-compute efficiency."""
-SINGLES = ("single_full_batch", "single_microbatched", "single_microbatched_fused", "single_microbatched_deferred")
+SINGLES: dict[str, int | None] = {
+    "single_microbatched": 0,
+    "single_microbatched_fused": 1,
+    "single_microbatched_pooled_2": 2,
+    "single_microbatched_pooled": None,
+}
+"""The single-process micro-batched references, by how they pool (see ``_accumulated``)."""
+SAME_COMPUTE = {
+    "gpipe": "single_microbatched_pooled",
+    "1f1b": "single_microbatched_fused",
+    f"1f1b{POOLED}": "single_microbatched_pooled_2",
+}
+"""The single-process reference that accumulates weight gradients as each variant does, for same-compute efficiency."""
 
 
 def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> list[dict[str, object]]:
@@ -154,19 +192,15 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> 
         idle = functools.partial(lambda: None)
         # The single-process references run on rank 0 alone while rank 1 waits.
         variants["single_full_batch"] = functools.partial(_single, full, x, y) if rank == 0 else idle
-        variants["single_microbatched"] = functools.partial(_accumulated, full, x, y, m) if rank == 0 else idle
-        for how in ("fused", "deferred"):
-            variants[f"single_microbatched_{how}"] = (
-                functools.partial(_accumulated, full, x, y, m, how) if rank == 0 else idle
-            )
+        for single, pool in SINGLES.items():
+            variants[single] = functools.partial(_accumulated, full, x, y, m, pool) if rank == 0 else idle
         half = (0, n_layers // 2, n_layers)
         pipes = {}
-        for name in VARIANTS:
-            schedule = name.removesuffix(UNFUSED)
+        for name, fusion in VARIANTS.items():
+            schedule = name.removesuffix(UNFUSED).removesuffix(POOLED)
             pipes[name] = Pipeline(
                 model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,  # type: ignore[arg-type]
-                loss_fn=F.mse_loss, mesh=mesh, timeout=600,
-                fuse_weight_gradients=None if name.endswith(UNFUSED) else DEFAULT_MIN_ELEMENTS,
+                loss_fn=F.mse_loss, mesh=mesh, timeout=600, fuse_weight_gradients=fusion,
             )  # fmt: skip
             variants[f"stagewise_{name}"] = functools.partial(_stagewise_step, pipes[name], x, y)
         mine = nn.Sequential(*list(model(d, n_layers))[half[rank] : half[rank + 1]])
@@ -211,13 +245,12 @@ def main() -> None:
         t0: dict[str, float] = r0["times"]  # type: ignore[assignment]
         t1: dict[str, float] = r1["times"]  # type: ignore[assignment]
         both = {k: max(t0[k], t1[k]) for k in t0}  # a pipeline step ends when both ranks are done
-        for single in SINGLES:
+        for single in ("single_full_batch", *SINGLES):
             both[single] = t0[single]
         ref = both["single_microbatched"]
         for variant in VARIANTS:
             ours = both[f"stagewise_{variant}"]
-            how = SAME_COMPUTE.get(variant)  # None: autograd's accumulation, as the reference
-            same = both[f"single_microbatched_{how}"] if how else ref
+            same = both[SAME_COMPUTE.get(variant, "single_microbatched")]
             row: dict[str, object] = {
                 "d": d,
                 "variant": f"stagewise {variant}",
@@ -227,7 +260,9 @@ def main() -> None:
                 "ideal": round(m / (m + p - 1), 3),
                 "stage0_peak_saved_mib": round(r0["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
             }
-            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(variant.removesuffix(UNFUSED))
+            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(
+                variant.removesuffix(UNFUSED).removesuffix(POOLED)
+            )
             if torch_name:
                 row["torch_step_ms"] = round(both[torch_name] * 1e3, 2)
                 row["torch_efficiency"] = round(ref / (p * both[torch_name]), 3)
@@ -241,7 +276,8 @@ def main() -> None:
                     "full_batch_ms": round(both["single_full_batch"] * 1e3, 2),
                     "microbatched_ms": round(ref * 1e3, 2),
                     "microbatched_fused_ms": round(both["single_microbatched_fused"] * 1e3, 2),
-                    "microbatched_deferred_ms": round(both["single_microbatched_deferred"] * 1e3, 2),
+                    "microbatched_pooled_2_ms": round(both["single_microbatched_pooled_2"] * 1e3, 2),
+                    "microbatched_pooled_ms": round(both["single_microbatched_pooled"] * 1e3, 2),
                 }
             ),
             flush=True,

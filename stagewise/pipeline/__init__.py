@@ -6,7 +6,7 @@ from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
 from stagewise.pipeline.executor import LossFn, StageError
-from stagewise.pipeline.fusion import FusedWeightGradients
+from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.microbatch import LossReduction
@@ -39,6 +39,8 @@ __all__ = [
     "StageCosts",
     "StageError",
     "StageLoader",
+    "WeightGradientFusion",
+    "WeightGradientStore",
     "build",
     "clip_grad_norm_",
     "materialise_model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,3 +158,14 @@ class Schedule:
         """Read a schedule text file (see :meth:`from_text`)."""
         file = Path(path)
         return cls.from_text(file.read_text(), name=file.stem)
+
+
+def forwards_first(actions: Sequence[Action]) -> bool:
+    """True when each stage's forwards all come before its first backward (GPipe), as in ``actions``."""
+    first_backward: dict[int, int] = {}
+    for i, action in enumerate(actions):
+        if action.kind.is_backward:
+            first_backward.setdefault(action.stage, i)
+        elif action.kind is Kind.F and action.stage in first_backward:
+            return False
+    return True

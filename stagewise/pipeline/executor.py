@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stagewise.comm import Payload, PayloadLayout, Receiving, TensorMeta, Transport, as_tensors
-from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.comm import Payload, Receiving, Transport, as_tensors
+from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first
 from stagewise.pipeline.engine import Event
-from stagewise.pipeline.fusion import WeightGradientStore
+from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
+from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
 from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
 from stagewise.pipeline.stage import StageModule, WeightUse
@@ -24,41 +25,13 @@ LossFn = Callable[[Payload, Payload], torch.Tensor]
 """``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
 
 
-def grad_tensors(payload: object) -> list[torch.Tensor]:
-    """The tensors of a payload that carry gradients."""
-    if isinstance(payload, torch.Tensor):
-        return [payload] if payload.requires_grad else []
-    tensors, _ = as_tensors(payload)
-    return [t for t in tensors if t.requires_grad]
-
-
-def gradient_layout(output: object) -> PayloadLayout:
-    """The layout of the gradients a stage gets back for ``output``: one per tensor that carries a gradient.
-
-    With none, the next stage answers with an empty tensor (see ``_backward``).
-    """
-    tensors = grad_tensors(output)
-    if not tensors:
-        return (False, (TensorMeta(torch.float32, (0,), False),))
-    return (len(tensors) > 1, tuple(TensorMeta(t.dtype, tuple(t.shape), False) for t in tensors))
-
-
-def handed_over(payload: Payload) -> Payload:
-    """A copy-free hand-over between two stages on one rank: detached, requiring grad where the source did."""
-    tensors, is_tuple = as_tensors(payload)
-    out = tuple(t.detach().requires_grad_(t.requires_grad) for t in tensors)
-    return out if is_tuple else out[0]
-
-
-def forwards_first(actions: Sequence[Action]) -> bool:
-    """True when each stage's forwards all come before its first backward (GPipe), as in ``actions``."""
-    first_backward: dict[int, int] = {}
-    for i, action in enumerate(actions):
-        if action.kind.is_backward:
-            first_backward.setdefault(action.stage, i)
-        elif action.kind is Kind.F and action.stage in first_backward:
-            return False
-    return True
+def _pool(fusion: WeightGradientFusion | None, actions: Sequence[Action]) -> int | None:
+    """How many backwards pool their weight gradients (None: all of the step's); 1 when nothing is fused."""
+    if fusion is None:
+        return 1
+    if fusion.pool is not None:
+        return fusion.pool
+    return None if forwards_first(actions) else 1
 
 
 class StageError(RuntimeError):
@@ -73,10 +46,6 @@ def _failed(stage: StageModule, mb: int, data: object, err: BaseException) -> st
         f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
         f"{mb} on its input [{got}], {source}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
     )
-
-
-def _pack(grads: Sequence[torch.Tensor]) -> Payload:
-    return grads[0] if len(grads) == 1 else tuple(grads)
 
 
 @dataclass
@@ -124,9 +93,10 @@ class Executor:
     accumulates linear weight gradients into ``.grad`` inside its GEMMs
     (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
     backward after which DDP all-reduces a stage, whose hooks must see it.
-    Where every forward of a stage precedes its backwards (GPipe), fused
-    weight gradients are deferred to the end of the step and computed as one
-    GEMM per weight over all micro-batches (:class:`WeightGradientStore`).
+    Backwards may pool their fused weight gradients (:class:`WeightGradientStore`),
+    computed as one GEMM per weight every ``pool`` backwards of the rank, or
+    at the end of the step where every forward of a stage precedes its
+    backwards (GPipe; see :attr:`WeightGradientFusion.pool`).
     """
 
     def __init__(
@@ -140,7 +110,7 @@ class Executor:
         lookahead: int = 2,
         replicas: Replicas | None = None,
         grad_scale: float = 1.0,
-        fuse: bool = False,
+        fusion: WeightGradientFusion | None = None,
     ) -> None:
         self.schedule = schedule
         self.position = position
@@ -155,8 +125,8 @@ class Executor:
         """Data-parallel replicas of the stages, synchronised after each stage's last backward of a step."""
         self.grad_scale = grad_scale
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
-        self.fuse = fuse and not schedule.splits_backward
-        """Run training forwards under :class:`FusedWeightGradients` (not with I/W: W is autograd's)."""
+        self.fusion = None if schedule.splits_backward else fusion
+        """Run training forwards under :class:`FusedWeightGradients` (not with I/W: W is autograd's); None: never."""
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -192,8 +162,7 @@ class Executor:
         run = _Run(self, actions, inputs, targets, loss_fn=loss_fn, training=training)
         for i, action in enumerate(actions):
             run.act(i, action)
-        if run.store is not None:
-            run.store.flush()
+        run.flush()
         self.transport.wait_sends()
         return StepResult(run.total, run.outputs, run.events, run.spans, run.losses)
 
@@ -229,8 +198,22 @@ class _Run:
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
-        self.store = WeightGradientStore() if training and executor.fuse and forwards_first(actions) else None
-        """Fused weight gradients deferred to the end of the step, when no stage's forward follows its backward."""
+        fusion = executor.fusion if training else None
+        self.pool = _pool(fusion, actions)
+        """Flush the pooled weight gradients after every this many backwards; None: at the end of the step."""
+        self.store = WeightGradientStore() if fusion is not None and self.pool != 1 else None
+        """Fused weight gradients pooled until a flush."""
+        self.backwards = 0
+        self.held: list[Payload] = []
+        """Received payloads that pooled weight gradients may still read: recycled after the flush."""
+
+    def flush(self) -> None:
+        """Compute the pooled weight gradients into ``.grad``, and recycle the buffers they read."""
+        if self.store is not None:
+            self.store.flush()
+        for payload in self.held:
+            self.x.transport.release(payload)
+        self.held.clear()
 
     def _now(self) -> float:
         return time.perf_counter() - self.start
@@ -294,7 +277,7 @@ class _Run:
             data = self.handoff.pop((s, mb))
         owners: list[WeightUse] = []
         try:
-            fused = self.training and x.fuse and (s, mb) not in self.unfused
+            fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
             owned = owners if self.training and x.schedule.splits_backward else None
             out = x.stages[s].run(data, owned, fused=fused, store=self.store)
         except (RuntimeError, TypeError, ValueError) as err:
@@ -355,8 +338,7 @@ class _Run:
             slot.owner_grads = [[None] * len(group) for group in per_owner]
         elif action.kind is Kind.B or not (wanted or per_owner):
             if sync:
-                if self.store is not None:
-                    self.store.flush()  # DDP all-reduces .grad during this backward: it must be complete
+                self.flush()  # DDP all-reduces .grad during this backward: it must be complete
                 self._arm(s, roots)
             torch.autograd.backward(roots, root_grads)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
@@ -370,7 +352,7 @@ class _Run:
                 rest = rest[len(group) :]
         if s > 0:
             # Always answer, so the previous stage never waits in vain; an empty tensor means "no gradient".
-            answer = _pack(input_grads) if input_grads else torch.zeros(0, device=x.transport.device)
+            answer = pack_gradients(input_grads) if input_grads else torch.zeros(0, device=x.transport.device)
             # (an empty tensor has no bytes: nothing travels, and the receiver expects exactly that)
             if x.schedule.rank_of(s - 1) == x.position:
                 self.handoff[(s - 1, mb)] = answer
@@ -378,6 +360,9 @@ class _Run:
                 x._send(answer, s - 1, mb, action, GRADIENTS)
         if action.kind is Kind.B:
             self._done(self.slots.pop((s, mb)))
+            self.backwards += 1
+            if self.pool is not None and self.backwards % self.pool == 0:
+                self.flush()
 
     def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
@@ -394,7 +379,8 @@ class _Run:
         self._done(slot)
 
     def _done(self, slot: _Slot) -> None:
-        if self.store is not None:
-            return  # deferred weight gradients may read received tensors until the flush: no reuse
+        if self.store is not None:  # pooled weight gradients may read received tensors until the flush
+            self.held.extend(slot.received)
+            return
         for payload in slot.received:
             self.x.transport.release(payload)

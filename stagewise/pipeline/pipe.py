@@ -17,7 +17,7 @@ from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
-from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS
+from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel, Replicas, combine_losses
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
 from stagewise.pipeline.render import to_chrome_trace
@@ -91,14 +91,14 @@ class Pipeline:
         nonfinite: when the loss is NaN or infinite, "raise" :class:`NonFiniteLossError` naming the step and
             micro-batch (on every rank), or "skip" the step: its gradients are dropped (set to None, so the
             optimizer's step changes nothing) and :attr:`skipped` is True.
-        fuse_weight_gradients: let each backward add the gradients of linear weights of at least this many
-            elements straight into ``.grad`` (one GEMM per micro-batch, not a GEMM into a new tensor and then
-            an addition), as Megatron-LM's gradient-accumulation fusion does; see
-            :class:`stagewise.pipeline.FusedWeightGradients`. 0 fuses every linear weight, None none. By
-            default weights of 2**20 elements and more: smaller ones stay in cache, where the fused backward's
-            Python overhead costs more than it saves. Not used by zero-bubble's split backward. Hooks on a
-            parameter's gradient accumulator see only the backwards not fused (with ``dp > 1``, each stage's
-            last of a step, which DDP all-reduces); pass None if they must see every micro-batch.
+        fuse_weight_gradients: how backwards accumulate the gradients of large linear weights
+            (:class:`stagewise.pipeline.WeightGradientFusion`): straight into ``.grad`` (one GEMM per
+            micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's
+            gradient-accumulation fusion does, or pooled over several backwards into one GEMM per weight
+            (by default GPipe pools a whole step). None leaves accumulation to autograd. Not used by
+            zero-bubble's split backward. Hooks on a parameter's gradient accumulator see only the
+            backwards not fused (with ``dp > 1``, each stage's last of a step, which DDP all-reduces); pass
+            None if they must see every micro-batch.
     """
 
     def __init__(
@@ -120,20 +120,17 @@ class Pipeline:
         trace: str | Path | None = None,
         data_parallel: DataParallel | None = None,
         nonfinite: NonFinite = "raise",
-        fuse_weight_gradients: int | None = DEFAULT_MIN_ELEMENTS,
+        fuse_weight_gradients: WeightGradientFusion | None = WeightGradientFusion(),
     ) -> None:
         if not isinstance(partition, Partition):
             raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if fuse_weight_gradients is not None and (
-            isinstance(fuse_weight_gradients, bool)
-            or not isinstance(fuse_weight_gradients, int)
-            or fuse_weight_gradients < 0
-        ):
-            raise ValueError(
-                f"fuse_weight_gradients must be a number of elements >= 0 or None, got {fuse_weight_gradients!r}; "
-                "pass 0 to fuse every linear weight, or None to leave gradient accumulation to autograd"
+        if fuse_weight_gradients is not None and not isinstance(fuse_weight_gradients, WeightGradientFusion):
+            raise TypeError(
+                f"fuse_weight_gradients must be a WeightGradientFusion or None, got {fuse_weight_gradients!r}; "
+                "e.g. WeightGradientFusion.every() to fuse every linear weight, or None to leave gradient "
+                "accumulation to autograd"
             )
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -197,7 +194,7 @@ class Pipeline:
                 checkpointing=activation_checkpointing,
                 autocast=autocast,
                 device_type=self.device.type,
-                fuse_min_elements=fuse_weight_gradients or 0,
+                fusion=fuse_weight_gradients,
             )
         retie(layers, shared, {i for s in self.stages for i in range(b[s], b[s + 1])})
         self.ties = Ties(layers, shared, partition, plan, self.mesh)
@@ -218,7 +215,7 @@ class Pipeline:
             peers,
             replicas=self.replicas,
             grad_scale=float(dp) if loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
-            fuse=fuse_weight_gradients is not None,
+            fusion=fuse_weight_gradients,
         )
         self.trace = None if trace is None else Path(trace)
         self.last_result: StepResult | None = None

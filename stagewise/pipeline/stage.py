@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.partition import Layer, Segment, layers_of, shared_parameters
-from stagewise.pipeline.fusion import DEFAULT_MIN_ELEMENTS, FusedWeightGradients, WeightGradientStore
+from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.tied import retie
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class StageModule(nn.Module):
         checkpointing: bool = False,
         autocast: torch.dtype | None = None,
         device_type: str = "cpu",
-        fuse_min_elements: int = DEFAULT_MIN_ELEMENTS,
+        fusion: WeightGradientFusion | None = None,
     ) -> None:
         super().__init__()
         self.index = index
@@ -139,11 +139,12 @@ class StageModule(nn.Module):
         self.autocast = autocast
         """Run the layers under ``torch.autocast`` with this dtype; None runs them as they are."""
         self.device_type = device_type
-        self.fuse_min_elements = fuse_min_elements
-        """The smallest weight whose gradient a fused forward accumulates itself (see :meth:`run`)."""
+        self.fusion = fusion if fusion is not None else WeightGradientFusion()
+        """Which weights a fused forward's backward accumulates itself (see :meth:`run`)."""
         self.capture: list[WeightUse] | None = None
-        self._large: list[nn.Parameter] | None = None
         """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
+        self._large: dict[bool, list[nn.Parameter]] = {}
+        """The parameters a fused forward may take, without and with pooling."""
         segments = [layer for layer in self.layers if isinstance(layer, Segment)]
         inside = {id(m) for segment in segments for m in segment.modules()}
         for module in self.layers.modules():
@@ -172,13 +173,13 @@ class StageModule(nn.Module):
 
         With ``owners``, record every use of parameters (see :class:`WeightUse`).
         With ``fused``, the backward of this forward accumulates the gradients
-        of linear weights of at least :attr:`fuse_min_elements` elements
-        straight into ``.grad`` (see :class:`FusedWeightGradients`), or into
-        ``store`` until its ``flush``.
+        of linear weights of at least :attr:`fusion`'s threshold straight into
+        ``.grad`` (see :class:`FusedWeightGradients`), or into ``store`` until
+        its ``flush`` (pooled, with the pooled threshold).
         """
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
-        large = self._fusible() if fused else []
+        large = self._fusible(pooled=store is not None) if fused else []
         call = functools.partial(_fused_call, FusedWeightGradients(large, store=store)) if large else _call
         try:
             with cast:
@@ -192,11 +193,12 @@ class StageModule(nn.Module):
             self.capture = None
         return x
 
-    def _fusible(self) -> list[nn.Parameter]:
+    def _fusible(self, *, pooled: bool) -> list[nn.Parameter]:
         """The parameters a fused forward may take, listed once: a stage's parameters are fixed once it runs."""
-        if self._large is None:
-            self._large = [p for p in self.parameters() if p.numel() >= self.fuse_min_elements]
-        return self._large
+        if pooled not in self._large:
+            least = self.fusion.threshold(pooled=pooled)
+            self._large[pooled] = [p for p in self.parameters() if p.numel() >= least]
+        return self._large[pooled]
 
     def forward(self, x: object) -> object:
         return self.run(x)

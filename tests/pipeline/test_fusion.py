@@ -9,9 +9,11 @@ from chains import Chain
 from torch import nn
 
 from stagewise.partition import layers_of
-from stagewise.pipeline import FusedWeightGradients, build
-from stagewise.pipeline.executor import forwards_first
+from stagewise.pipeline import FusedWeightGradients, WeightGradientFusion, build
+from stagewise.pipeline.actions import forwards_first
+from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
+from stagewise.pipeline.microbatch import split
 from stagewise.pipeline.stage import StageModule
 
 
@@ -94,7 +96,9 @@ def test_a_fused_stage_equals_autograd_with_and_without_checkpointing(checkpoint
     x, _ = chain.batch(5, 0)
     batches = list(x.tensor_split(3))
     want = _autograd_grads(chain.build(), batches)
-    stage = StageModule(0, 0, layers_of(chain.build()), checkpointing=checkpointing, fuse_min_elements=0)
+    stage = StageModule(
+        0, 0, layers_of(chain.build()), checkpointing=checkpointing, fusion=WeightGradientFusion.every()
+    )
     for part in batches:
         out = stage.run(part, fused=True)
         assert isinstance(out, torch.Tensor)
@@ -127,3 +131,51 @@ def test_only_schedules_whose_forwards_come_first_defer() -> None:
     assert forwards_first(build("gpipe", 2, 4).ranks[1])
     assert not forwards_first(build("1f1b", 2, 4).ranks[1])
     assert forwards_first(build("1f1b", 2, 1).ranks[0])  # one micro-batch: F then B
+
+
+class _LocalTransport:
+    """A one-stage pipeline's transport: nothing travels, nothing is pooled."""
+
+    def wait_sends(self) -> None:
+        pass
+
+    def release(self, payload: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pool", "flushes"),
+    [
+        ("gpipe", None, [1]),  # all of the step's, at its end
+        ("1f1b", None, []),  # nothing pooled: 1F1B keeps only its in-flight micro-batches
+        ("1f1b", 2, [1, 1, 0]),  # after backwards 2 and 4, and the (empty) end of the step
+        ("1f1b", 3, [1, 1]),
+        ("gpipe", 1, []),
+    ],
+)
+def test_backwards_pool_their_weight_gradients_as_configured(
+    schedule: str, pool: int | None, flushes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``flushes``: 1 for each flush of pending gradients for every linear weight, 0 for one with none pending."""
+    seen: list[int] = []
+    flush = WeightGradientStore.flush
+    monkeypatch.setattr(WeightGradientStore, "flush", lambda store: (seen.append(len(store)), flush(store)))
+    chain = Chain(("linear", "gelu", "linear", "residual", "linear"), seed=6)
+    x, y = chain.batch(9, 0)
+    model = chain.build()
+    want = [g / 9 for g in _autograd_grads(model, [x])]  # the mean over the batch's rows, as the pipeline's loss
+    stage = StageModule(0, 0, layers_of(model), fusion=WeightGradientFusion.every(pool))
+    model.zero_grad(set_to_none=True)
+    executor = Executor(build(schedule, 1, 4), 0, {0: stage}, _LocalTransport(), [0], fusion=stage.fusion)  # type: ignore[arg-type]
+    run = executor.run(executor.schedule.ranks[0], split(x, 4, what="x"), split(y, 4, what="y"), sum_of_squares)
+    assert seen == [n * sum(isinstance(m, nn.Linear) for m in model.modules()) for n in flushes]
+    assert run.loss is not None
+    torch.testing.assert_close(run.loss, model(x).square().sum() / 9)
+    for param, grad in zip(stage.parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
+
+
+def sum_of_squares(output: object, target: object) -> torch.Tensor:
+    """The loss of the test above: a micro-batch's sum of squares per row (the mean reduction weighs rows)."""
+    assert isinstance(output, torch.Tensor)
+    return output.square().sum() / output.shape[0]

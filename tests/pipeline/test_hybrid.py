@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, StageLoader
+from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion
 
 STEPS = 3
 CLIP = 0.3  # small enough to clip at every step
@@ -121,7 +121,8 @@ def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
             mesh=mesh,
             timeout=30,
             data_parallel=DataParallel(bucket_cap_mb=1000, comm_hook=counting_hook),  # one bucket per stage
-            fuse_weight_gradients=0,  # DDP's hooks must still see each stage's last backward
+            # DDP's hooks must still see each stage's last backward, and pooled gradients be flushed before it
+            fuse_weight_gradients=WeightGradientFusion.every(pool=2),
         )
         data = ChainData(case.chain, STEPS * case.global_batch)
         loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)

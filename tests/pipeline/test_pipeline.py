@@ -16,7 +16,7 @@ from multiproc import run_ranks
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition, layers_of
-from stagewise.pipeline import Pipeline, Schedule, build, materialise_model
+from stagewise.pipeline import Pipeline, Schedule, WeightGradientFusion, build, materialise_model
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2)  # 7 layers
 SPLITS = {1: (0, 7), 2: (0, 3, 7), 3: (0, 2, 5, 7)}
@@ -202,10 +202,12 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
         Pipeline(
             chain.build(), Partition.from_bounds((0, 1, 2)), schedule=build("1f1b", 2, 3), n_microbatches=2, loss_fn=mse
         )
-    for bad in (True, -1, 0.5):
-        with pytest.raises(ValueError, match=r"fuse_weight_gradients must be a number of elements >= 0 or None, got"):
-            Pipeline(
-                chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse,
-                fuse_weight_gradients=bad,  # type: ignore[arg-type]
-            )  # fmt: skip
+    with pytest.raises(TypeError, match=r"fuse_weight_gradients must be a WeightGradientFusion or None, got 0; "):
+        Pipeline(
+            chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse,
+            fuse_weight_gradients=0,  # type: ignore[arg-type]
+        )  # fmt: skip
+    for field, bad in (("min_elements", True), ("min_pooled_elements", -1), ("pool", 0), ("pool", 1.5)):
+        with pytest.raises(ValueError, match=rf"WeightGradientFusion.{field} must be a number of .* got {bad!r}"):
+            WeightGradientFusion(**{field: bad})
     assert len(layers_of(chain.build())) == 2

@@ -13,9 +13,11 @@ from multiproc import run_ranks
 
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline
+from stagewise.pipeline import Pipeline, WeightGradientFusion
 
 STEPS = 3
+EVERY = WeightGradientFusion.every()
+"""These layers are small: fuse every linear weight, whatever its size."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,8 @@ class Case:
     n_virtual: int
     n_microbatches: int
     batch: int
-    fused: bool = True
-    """Whether linear weight gradients are accumulated inside their GEMMs (the default) or by autograd."""
+    fusion: WeightGradientFusion | None = EVERY
+    """How linear weight gradients are accumulated: inside their GEMMs, pooled, or by autograd (None)."""
 
 
 def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
@@ -45,7 +47,7 @@ def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
             loss_fn=mse,
             mesh=mesh,
             timeout=20,
-            fuse_weight_gradients=0 if case.fused else None,  # these layers are small: fuse them all
+            fuse_weight_gradients=case.fusion,
         )
         params = list(pipe.parameters())
         opt = torch.optim.SGD(params, lr=0.05) if params else None  # a stage may hold only GELUs
@@ -82,7 +84,8 @@ def cases(draw: st.DrawFn, n_ranks: int) -> Case:
     batch = draw(st.integers(m, 3 * m + 2))
     if batch % m == 0 and batch > m:
         batch += 1  # sizes not divisible by m, where possible
-    return Case(chain, (0, *cuts, n), schedule, v, m, batch, fused=draw(st.booleans()))
+    fusion = draw(st.sampled_from([None, None, 1, 2, 3]).map(WeightGradientFusion.every))
+    return Case(chain, (0, *cuts, n), schedule, v, m, batch, fusion=draw(st.sampled_from([None, fusion])))
 
 
 def check(case_list: list[Case], n_ranks: int) -> None:
@@ -124,7 +127,8 @@ def test_every_schedule_on_a_fixed_case() -> None:
         Case(chain, (0, 2, 5, 8), "gpipe", 1, 5, 13),
         Case(chain, (0, 5, 6, 8), "gpipe", 1, 4, 9),  # a lone linear: what its deferred W reads was received
         Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11),
-        Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11, fused=False),
+        Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11, fusion=None),
+        Case(chain, (0, 5, 6, 8), "1f1b", 1, 5, 12, fusion=WeightGradientFusion.every(pool=2)),
         Case(chain, (0, 1, 6, 8), "zero-bubble", 1, 7, 9),
         Case(chain, (0, 1, 2, 3, 5, 6, 8), "interleaved-1f1b", 2, 6, 14),
         Case(chain, (0, 4, 6, 8), "zero-bubble", 1, 1, 3),

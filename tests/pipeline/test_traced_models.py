@@ -14,7 +14,7 @@ from torch.distributed.pipelining import Schedule1F1B
 from stagewise.comm import init_mesh
 from stagewise.models.nonchain import MaskedTransformer, UNetMLP
 from stagewise.partition import auto, layers_of, shared_parameters, trace
-from stagewise.pipeline import Pipeline, torch_pipe
+from stagewise.pipeline import Pipeline, WeightGradientFusion, torch_pipe
 
 STEPS = 3
 BATCH = 7  # not a multiple of the 3 micro-batches: sizes 3, 2, 2
@@ -71,7 +71,7 @@ def train_traced(kind: str, schedule: str) -> dict[str, Any]:
     part = auto(chain, 2, example, by="flops")  # the split points, chosen by the partitioner
     pipe = Pipeline(
         chain, part, schedule=schedule, n_microbatches=MICRO, loss_fn=loss_of(kind), mesh=mesh, timeout=30,  # type: ignore[arg-type]
-        fuse_weight_gradients=0,  # a segment's graph calls aten.linear: fuse it (not under zero-bubble's I/W)
+        fuse_weight_gradients=WeightGradientFusion.every(),  # a segment's graph calls aten.linear: fuse it
     )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []
