@@ -5,7 +5,7 @@ from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
-from stagewise.pipeline.executor import LossFn, StageError
+from stagewise.pipeline.executor import LossFn
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.interop import torch_pipe
@@ -14,7 +14,7 @@ from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
 from stagewise.pipeline.render import render, to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.simulate import SimulationResult, StageCosts, simulate
-from stagewise.pipeline.stage import materialise_model
+from stagewise.pipeline.stage import StageError, materialise_model
 from stagewise.pipeline.trace import Span
 from stagewise.pipeline.validate import ScheduleReport, peak_in_flight, validate
 

@@ -15,7 +15,7 @@ from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
 from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
-from stagewise.pipeline.stage import StageModule, WeightUse
+from stagewise.pipeline.stage import StageError, StageModule, WeightUse, failure
 from stagewise.pipeline.trace import Span
 
 ACTIVATIONS, GRADIENTS = 0, 1
@@ -26,26 +26,15 @@ LossFn = Callable[[Payload, Payload], torch.Tensor]
 
 
 def _pool(fusion: WeightGradientFusion | None, actions: Sequence[Action]) -> int | None:
-    """How many backwards pool their weight gradients (None: all of the step's); 1 when nothing is fused."""
-    if fusion is None:
+    """How many backwards pool their weight gradients (None: all of the step's); 1 when nothing is pooled.
+
+    Not with a split backward: there each micro-batch's W computes its own.
+    """
+    if fusion is None or any(action.kind is Kind.W for action in actions):
         return 1
     if fusion.pool is not None:
         return fusion.pool
     return None if forwards_first(actions) else 1
-
-
-class StageError(RuntimeError):
-    """A stage's layers failed on what they were given; the message names the stage, its layers and the input."""
-
-
-def _failed(stage: StageModule, mb: int, data: object, err: BaseException) -> str:
-    tensors, _ = as_tensors(data)
-    got = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
-    source = f"which stage {stage.index - 1} sent" if stage.index > 0 else "the inputs passed to step()"
-    return (
-        f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
-        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
-    )
 
 
 @dataclass
@@ -61,6 +50,10 @@ class _Slot:
     """Payloads from the transport, handed back for reuse once the micro-batch is done."""
     owner_grads: list[list[torch.Tensor | None]] = field(default_factory=list)
     """Gradient of each owner's output, from I, for W."""
+    store: WeightGradientStore | None = None
+    """With a split backward and fusion: the fused weight gradients I leaves for this micro-batch's W."""
+    anchor: torch.Tensor | None = None
+    """An input of every fused op of the forward, whose gradient I asks for (see :class:`FusedWeightGradients`)."""
 
 
 @dataclass
@@ -88,7 +81,10 @@ class Executor:
     computes the input gradient and, on the way, the gradient of the output of
     every module that owns parameters; W later turns each of those into that
     module's own parameter gradients, so nothing is accumulated twice and no
-    activation gradient is computed again beyond the owning module. Receives for the next actions are posted before
+    activation gradient is computed again beyond the owning module. With
+    fusion, I leaves each fused linear's output gradient and input in the
+    micro-batch's own store, and W adds them to ``.grad`` with one GEMM per
+    weight, without autograd. Receives for the next actions are posted before
     the current one computes, so transfers overlap compute. With ``fuse``, B
     accumulates linear weight gradients into ``.grad`` inside its GEMMs
     (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
@@ -125,8 +121,8 @@ class Executor:
         """Data-parallel replicas of the stages, synchronised after each stage's last backward of a step."""
         self.grad_scale = grad_scale
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
-        self.fusion = None if schedule.splits_backward else fusion
-        """Run training forwards under :class:`FusedWeightGradients` (not with I/W: W is autograd's); None: never."""
+        self.fusion = fusion
+        """Run training forwards under :class:`FusedWeightGradients`; None: never."""
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -276,13 +272,19 @@ class _Run:
         else:
             data = self.handoff.pop((s, mb))
         owners: list[WeightUse] = []
+        split = self.training and x.schedule.splits_backward
+        fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
+        store, anchor = self.store, None
+        if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own
+            store, anchor = WeightGradientStore(), torch.empty(0, device=x.transport.device, requires_grad=True)
         try:
-            fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
-            owned = owners if self.training and x.schedule.splits_backward else None
-            out = x.stages[s].run(data, owned, fused=fused, store=self.store)
+            pooled = store is not None and store is self.store
+            owned = owners if split else None
+            out = x.stages[s].run(data, owned, fused=fused, store=store, pooled=pooled, anchor=anchor)
         except (RuntimeError, TypeError, ValueError) as err:
-            raise StageError(_failed(x.stages[s], mb, data, err)) from err
-        slot = _Slot(inputs=data, output=out, owners=owners, received=received)  # type: ignore[arg-type]
+            raise StageError(failure(x.stages[s], mb, data, err)) from err
+        slot = _Slot(inputs=data, output=out, owners=owners, received=received, anchor=anchor)  # type: ignore[arg-type]
+        slot.store = store if split else None
         if s == x.last:
             if self.training:
                 self._loss(slot, mb)
@@ -332,6 +334,8 @@ class _Run:
             roots = grad_tensors(slot.output)
             root_grads = list(as_tensors(grads)[0]) if roots else []
         wanted = grad_tensors(slot.inputs) if s > 0 else []
+        if slot.anchor is not None:  # fused ops leave their weight gradients in the slot's store: W needs no autograd
+            slot.owners = [use for use in slot.owners if not use.fused]
         per_owner = [grad_tensors(use.output) for use in slot.owners]
         if not roots:  # nothing here depends on a gradient-carrying input or parameter
             input_grads = [torch.zeros_like(t) for t in wanted]
@@ -344,9 +348,13 @@ class _Run:
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
         else:
             flat = [t for group in per_owner for t in group]
-            got = torch.autograd.grad(roots, [*wanted, *flat], root_grads, retain_graph=True, allow_unused=True)
+            anchor = [slot.anchor] if slot.anchor is not None else []
+            # The graph stays for W only where W runs autograd through it.
+            got = torch.autograd.grad(
+                roots, [*wanted, *flat, *anchor], root_grads, retain_graph=bool(flat), allow_unused=True
+            )
             input_grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, wanted, strict=False)]
-            rest: list[torch.Tensor | None] = list(got[len(wanted) :])
+            rest: list[torch.Tensor | None] = list(got[len(wanted) : len(wanted) + len(flat)])
             for group in per_owner:
                 slot.owner_grads.append(rest[: len(group)])
                 rest = rest[len(group) :]
@@ -376,6 +384,8 @@ class _Run:
                 # Only this module's own parameters: autograd stops where they are reached, so no
                 # activation gradient is recomputed beyond the module and nothing is counted twice.
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
+        if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
+            slot.store.flush()
         self._done(slot)
 
     def _done(self, slot: _Slot) -> None:

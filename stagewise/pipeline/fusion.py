@@ -167,37 +167,52 @@ class _AccumulatingLinear(torch.autograd.Function):
     tensor and then add it to ``.grad``: a write, then a read of both and a
     write. One ``addmm_`` into ``.grad`` does the same sum with half the
     memory traffic, which is most of a small micro-batch's backward. With a
-    :class:`WeightGradientStore` the weight gradient is left to it instead.
-    The weight and bias get ``None`` from autograd (nothing is counted twice).
+    :class:`WeightGradientStore` the weight gradient is left to it instead,
+    once: a retained graph traversed again (zero-bubble's W, reaching another
+    parameter through this op) computes the input gradient only. The weight
+    and bias get ``None`` from autograd (nothing is counted twice), and the
+    ``anchor``, when given, an empty gradient: asking autograd for the
+    anchor's gradient runs the backward of every op that took it.
     """
 
     @staticmethod
-    def forward(
+    def forward(  # noqa: PLR0917  # autograd passes a Function's inputs positionally
         ctx: FunctionCtx,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         store: WeightGradientStore | None,
+        anchor: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias, ctx.store = weight, bias, store  # type: ignore[attr-defined]
+        ctx.fused_params = (weight,) if bias is None else (weight, bias)  # type: ignore[attr-defined]
+        ctx.anchored = anchor is not None  # type: ignore[attr-defined]
         return F.linear(x, weight, bias)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, torch.Tensor | None]:
         (x,) = ctx.saved_tensors
         weight, bias, store = ctx.weight, ctx.bias, ctx.store
         g = grad_out.reshape(-1, grad_out.shape[-1])
         rows = x.reshape(-1, x.shape[-1])
-        if store is not None:
-            store.add(weight, bias, g, rows)
-        else:
+        if store is None:
             if weight.requires_grad:
                 _accumulate(weight, g.t(), rows)
             _accumulate_bias(bias, g)
+        elif not getattr(ctx, "stored", False):
+            store.add(weight, bias, g, rows)
+            ctx.stored = True
         grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        return grad_in, None, None, None
+        return grad_in, None, None, None, grad_out.new_empty(0) if ctx.anchored else None
+
+
+def fused_params(output: object) -> tuple[torch.Tensor, ...]:
+    """The parameters whose gradients the fused op that computed ``output`` accumulates itself; () if none did."""
+    grad_fn = output.grad_fn if isinstance(output, torch.Tensor) else None
+    params: tuple[torch.Tensor, ...] = getattr(grad_fn, "fused_params", ())
+    return params
 
 
 class FusedWeightGradients(TorchFunctionMode):
@@ -209,6 +224,11 @@ class FusedWeightGradients(TorchFunctionMode):
     additions. The gradients are the same sums (equal up to rounding). With
     a ``store`` the weight gradients wait there until its ``flush``.
 
+    With an ``anchor`` (an empty tensor that requires grad), every fused op
+    takes it as an input, so that asking autograd for the anchor's gradient
+    runs each fused op's backward, and so fills the store, even where no
+    other requested gradient passes through it (zero-bubble's I).
+
     Only the forward needs the mode: what it records decides the backward.
     Ops under autocast, without grad mode, or on weights outside ``params``
     or not requiring grad run unchanged. Hooks on a fused parameter's
@@ -218,11 +238,19 @@ class FusedWeightGradients(TorchFunctionMode):
     the mode (see :class:`stagewise.Pipeline`).
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], *, store: WeightGradientStore | None = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        store: WeightGradientStore | None = None,
+        anchor: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.ids = frozenset(id(p) for p in params)
         self.store = store
         """Where backwards leave their weight gradients, when deferred; None accumulates them at once."""
+        self.anchor = anchor
+        """An input of every fused op, whose gradient request runs all their backwards (see above)."""
 
     def __torch_function__(
         self,
@@ -240,7 +268,7 @@ class FusedWeightGradients(TorchFunctionMode):
                 and isinstance(x, torch.Tensor)
                 and not torch.is_autocast_enabled(x.device.type)
             ):
-                return _AccumulatingLinear.apply(x, weight, bias, self.store)  # type: ignore[no-untyped-call]
+                return _AccumulatingLinear.apply(x, weight, bias, self.store, self.anchor)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
 

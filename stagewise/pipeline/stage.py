@@ -11,8 +11,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, layers_of, shared_parameters
-from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
+from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore, fused_params
 from stagewise.pipeline.tied import retie
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,16 @@ class WeightUse:
     params: tuple[torch.Tensor, ...]
     output: object
 
+    @property
+    def fused(self) -> bool:
+        """Whether a fused op accumulates every trainable parameter of this use itself (W needs no autograd)."""
+        ids = {id(p) for p in fused_params(self.output)}
+        return bool(ids) and all(id(p) in ids for p in self.params if p.requires_grad)
+
+
+class StageError(RuntimeError):
+    """A stage's layers failed on what they were given; the message names the stage, its layers and the input."""
+
 
 def _call(layer: nn.Module, x: object) -> object:
     return layer(x)
@@ -168,19 +179,22 @@ class StageModule(nn.Module):
         *,
         fused: bool = False,
         store: WeightGradientStore | None = None,
+        pooled: bool = False,
+        anchor: torch.Tensor | None = None,
     ) -> object:
         """Apply the layers in order.
 
         With ``owners``, record every use of parameters (see :class:`WeightUse`).
         With ``fused``, the backward of this forward accumulates the gradients
-        of linear weights of at least :attr:`fusion`'s threshold straight into
-        ``.grad`` (see :class:`FusedWeightGradients`), or into ``store`` until
-        its ``flush`` (pooled, with the pooled threshold).
+        of linear weights of at least :attr:`fusion`'s threshold (its pooled
+        one, if ``pooled``) straight into ``.grad``, or into ``store`` until its
+        ``flush``; ``anchor`` as in :class:`FusedWeightGradients`.
         """
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
-        large = self._fusible(pooled=store is not None) if fused else []
-        call = functools.partial(_fused_call, FusedWeightGradients(large, store=store)) if large else _call
+        large = self._fusible(pooled=pooled) if fused else []
+        mode = FusedWeightGradients(large, store=store, anchor=anchor) if large else None
+        call = functools.partial(_fused_call, mode) if mode is not None else _call
         try:
             with cast:
                 for layer in self.layers:
@@ -216,6 +230,17 @@ class StageModule(nn.Module):
             for key, value in layer.state_dict().items():
                 out[qualify(key)] = value
         return out
+
+
+def failure(stage: StageModule, mb: int, data: object, err: BaseException) -> str:
+    """The message of a :class:`StageError`: the stage, its layers, the micro-batch, its input and the cause."""
+    tensors, _ = as_tensors(data)
+    got = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
+    source = f"which stage {stage.index - 1} sent" if stage.index > 0 else "the inputs passed to step()"
+    return (
+        f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
+        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+    )
 
 
 def materialise_model(model: nn.Module, *, device: torch.device | str = "cpu", seed: int = 0) -> nn.Module:

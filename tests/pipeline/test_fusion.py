@@ -136,6 +136,8 @@ def test_only_schedules_whose_forwards_come_first_defer() -> None:
 class _LocalTransport:
     """A one-stage pipeline's transport: nothing travels, nothing is pooled."""
 
+    device = torch.device("cpu")
+
     def wait_sends(self) -> None:
         pass
 
@@ -151,6 +153,8 @@ class _LocalTransport:
         ("1f1b", 2, [1, 1, 0]),  # after backwards 2 and 4, and the (empty) end of the step
         ("1f1b", 3, [1, 1]),
         ("gpipe", 1, []),
+        ("zero-bubble", None, [1, 1, 1, 1]),  # each micro-batch's W computes what its I left
+        ("zero-bubble", 2, [1, 1, 1, 1]),  # a split backward pools nothing
     ],
 )
 def test_backwards_pool_their_weight_gradients_as_configured(
@@ -179,3 +183,43 @@ def sum_of_squares(output: object, target: object) -> torch.Tensor:
     """The loss of the test above: a micro-batch's sum of squares per row (the mean reduction weighs rows)."""
     assert isinstance(output, torch.Tensor)
     return output.square().sum() / output.shape[0]
+
+
+class ScaledIn(nn.Module):
+    """A parameter of its own that autograd reaches only through a fused linear: ``proj(x * scale)``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(x * self.scale)
+        return out
+
+
+def test_zero_bubbles_w_adds_fused_gradients_once_and_runs_autograd_for_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), ScaledIn(6), nn.GELU(), nn.Linear(6, 3))
+    x, y = torch.randn(7, 6), torch.randn(7, 3)
+    want = [g / 7 for g in _autograd_grads(model, [x])]
+    graphs: list[bool] = []  # for each W's flush: whether every fused weight's .grad was still untouched
+    flush = WeightGradientStore.flush
+    fused = [model[0].weight, model[2].proj.weight, model[4].weight]
+
+    def spy(store: WeightGradientStore) -> None:
+        graphs.append(len(store) == 3)
+        flush(store)
+
+    monkeypatch.setattr(WeightGradientStore, "flush", spy)
+    stage = StageModule(0, 0, layers_of(model), fusion=WeightGradientFusion.every())
+    model.zero_grad(set_to_none=True)
+    executor = Executor(build("zero-bubble", 1, 3), 0, {0: stage}, _LocalTransport(), [0], fusion=stage.fusion)  # type: ignore[arg-type]
+    executor.run(executor.schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
+    assert graphs == [True, True, True]  # one flush per W, each with the three linear weights
+    assert all(w.grad is not None for w in fused)
+    # ScaledIn.scale's W runs autograd back through proj's fused op: proj.weight's gradient must not be added twice
+    for param, grad in zip(stage.parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
