@@ -9,7 +9,7 @@ batch B, m micro-batches, one thread per process), in one run:
   weight every 2 micro-batches and over the whole step (as stagewise's GPipe
   does);
 - stagewise.Pipeline with gpipe and 1f1b (fused accumulation, the default,
-  and autograd's), 1f1b pooling every 2 backwards, and zero-bubble;
+  and autograd's), 1f1b pooling every 2 backwards, and zero-bubble (fused);
 - torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages;
 - both ranks computing their own stage's forwards and backwards (autograd's
   accumulation) at the same time, with no transfers: on a machine whose
@@ -173,7 +173,7 @@ VARIANTS: dict[str, WeightGradientFusion | None] = {
     f"1f1b{UNFUSED}": None,
 }
 """stagewise's variants and their weight-gradient accumulation: the default (GPipe pools the whole step, 1F1B fuses
-each backward; zero-bubble's W is autograd's either way), 1F1B pooling every 2 backwards, and autograd's."""
+each backward, zero-bubble's W each micro-batch's), 1F1B pooling every 2 backwards, and autograd's."""
 
 SINGLES: dict[str, int | None] = {
     "single_microbatched": 0,
@@ -186,6 +186,7 @@ SAME_COMPUTE = {
     "gpipe": "single_microbatched_pooled",
     "1f1b": "single_microbatched_fused",
     f"1f1b{POOLED}": "single_microbatched_pooled_2",
+    "zero-bubble": "single_microbatched_fused",
 }
 """The single-process reference that accumulates weight gradients as each variant does, for same-compute efficiency."""
 
