@@ -15,8 +15,9 @@ from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
 from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
-from stagewise.pipeline.stage import StageError, StageModule, WeightUse, failure
+from stagewise.pipeline.stage import StageError, StageModule, failure
 from stagewise.pipeline.trace import Span
+from stagewise.pipeline.uses import WeightUse
 
 ACTIVATIONS, GRADIENTS = 0, 1
 """Transport streams: activations flow forward on one, gradients backward on the other."""

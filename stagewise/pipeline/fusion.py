@@ -55,7 +55,8 @@ class WeightGradientFusion:
     activations kept to the end anyway; otherwise 1 (nothing pooled), so 1F1B
     keeps only its in-flight micro-batches. A pool of k > 1 keeps each fused
     linear's input and output gradient for up to k backwards: less memory
-    traffic where weights are large, more memory held.
+    traffic where weights are large, more memory held. A split backward
+    (zero-bubble) pools nothing: each micro-batch's W adds what its I left.
     """
 
     def __post_init__(self) -> None:

@@ -5,16 +5,18 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import ExitStack
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, layers_of, shared_parameters
-from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore, fused_params
+from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.tied import retie
+from stagewise.pipeline.uses import ParameterUses, WeightUse
 
 log = logging.getLogger(__name__)
 
@@ -90,34 +92,15 @@ def _with_ancestors(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module
     return [sub for sub in root.modules() if any(id(m) in wanted for m in sub.modules())]
 
 
-@dataclass(frozen=True)
-class WeightUse:
-    """An output computed directly from parameters: where a deferred weight gradient (W) starts.
-
-    For a module that owns parameters it is the module's output; for a traced
-    segment, the output of each op that reads a parameter.
-    """
-
-    params: tuple[torch.Tensor, ...]
-    output: object
-
-    @property
-    def fused(self) -> bool:
-        """Whether a fused op accumulates every trainable parameter of this use itself (W needs no autograd)."""
-        ids = {id(p) for p in fused_params(self.output)}
-        return bool(ids) and all(id(p) in ids for p in self.params if p.requires_grad)
-
-
 class StageError(RuntimeError):
     """A stage's layers failed on what they were given; the message names the stage, its layers and the input."""
 
 
-def _call(layer: nn.Module, x: object) -> object:
-    return layer(x)
-
-
-def _fused_call(mode: FusedWeightGradients, layer: nn.Module, x: object) -> object:
-    with mode:
+def _call(modes: Sequence[TorchFunctionMode], layer: nn.Module, x: object) -> object:
+    """``layer(x)`` within ``modes``, the first outermost."""
+    with ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
         return layer(x)
 
 
@@ -156,21 +139,15 @@ class StageModule(nn.Module):
         """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
         self._large: dict[bool, list[nn.Parameter]] = {}
         """The parameters a fused forward may take, without and with pooling."""
-        segments = [layer for layer in self.layers if isinstance(layer, Segment)]
-        inside = {id(m) for segment in segments for m in segment.modules()}
-        for module in self.layers.modules():
-            if id(module) not in inside and any(True for _ in module.parameters(recurse=False)):
-                module.register_forward_hook(self._record)
-        for segment in segments:  # a segment's modules never run: its graph reports the ops that read them
-            segment.record = self._record_use
-
-    def _record(self, module: nn.Module, args: object, output: object) -> None:
-        if self.capture is not None:
-            self.capture.append(WeightUse(tuple(module.parameters(recurse=False)), output))
+        for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
+            if isinstance(layer, Segment):
+                layer.record = self._record_use
 
     def _record_use(self, params: tuple[torch.Tensor, ...], output: object) -> None:
         if self.capture is not None:
-            self.capture.append(WeightUse(params, output))
+            tensors = tuple(t for t in as_tensors(output)[0] if t.requires_grad)
+            if tensors:
+                self.capture.append(WeightUse(params, tensors[0] if len(tensors) == 1 else tensors))
 
     def run(
         self,
@@ -193,13 +170,15 @@ class StageModule(nn.Module):
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         large = self._fusible(pooled=pooled) if fused else []
-        mode = FusedWeightGradients(large, store=store, anchor=anchor) if large else None
-        call = functools.partial(_fused_call, mode) if mode is not None else _call
+        modes: list[TorchFunctionMode] = [FusedWeightGradients(large, store=store, anchor=anchor)] if large else []
+        # Innermost, so that it sees each op as the model calls it: a segment reports its own ops instead.
+        recording = [*modes, ParameterUses(self.parameters(), owners)] if owners is not None else modes
         try:
             with cast:
                 for layer in self.layers:
+                    call = functools.partial(_call, modes if isinstance(layer, Segment) else recording)
                     if self.checkpointing and torch.is_grad_enabled():
-                        # The recomputation must record what the forward recorded: the mode goes inside.
+                        # The recomputation must record what the forward recorded: the modes go inside.
                         x = checkpoint(call, layer, x, use_reentrant=False)
                     else:
                         x = call(layer, x)

@@ -15,6 +15,7 @@ from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.microbatch import split
 from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.uses import ParameterUses, WeightUse
 
 
 class TiedHead(nn.Module):
@@ -223,3 +224,46 @@ def test_zero_bubbles_w_adds_fused_gradients_once_and_runs_autograd_for_the_rest
     # ScaledIn.scale's W runs autograd back through proj's fused op: proj.weight's gradient must not be added twice
     for param, grad in zip(stage.parameters(), want, strict=True):
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
+
+
+class ReadTwice(nn.Module):
+    """Reads its linear's weight a second time outside ``proj``'s own call: ``gelu(proj(x)) @ proj.weight.T``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x)) @ self.proj.weight.t()
+
+
+@pytest.mark.parametrize("fusion", [None, WeightGradientFusion.every()], ids=["autograd", "fused"])
+def test_zero_bubbles_w_covers_every_read_of_a_parameter(fusion: WeightGradientFusion | None) -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), ReadTwice(6))
+    x, y = torch.randn(7, 6), torch.randn(7, 6)
+    want = [g / 7 for g in _autograd_grads(model, [x])]
+    stage = StageModule(0, 0, layers_of(model), fusion=fusion)
+    model.zero_grad(set_to_none=True)
+    executor = Executor(build("zero-bubble", 1, 3), 0, {0: stage}, _LocalTransport(), [0], fusion=fusion)  # type: ignore[arg-type]
+    executor.run(executor.schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
+    for (name, param), grad in zip(stage.named_parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_parameter_uses_records_each_read_once_with_what_it_computed() -> None:
+    torch.manual_seed(6)
+    model = ReadTwice(4)
+    frozen = nn.Parameter(torch.ones(4), requires_grad=False)
+    uses: list[WeightUse] = []
+    with ParameterUses([*model.parameters(), frozen], uses):
+        out = model(torch.randn(3, 4)) * frozen  # the frozen parameter is no weight use
+        with torch.no_grad():
+            model.proj(torch.randn(3, 4))  # nor is a read without grad mode
+    weight, bias = model.proj.weight, model.proj.bias
+    assert [tuple(id(p) for p in use.params) for use in uses] == [
+        (id(weight), id(bias)),  # F.linear in proj's forward
+        (id(weight),),  # proj.weight.t(), whose output the matmul reads
+    ]
+    assert isinstance(uses[1].output, torch.Tensor) and uses[1].output.shape == (4, 4)
+    assert out.requires_grad
