@@ -80,13 +80,13 @@ class Executor:
     the output gradient (or the weighted loss) into the parameters and the
     stage input, and sends the input gradient back. Zero-bubble splits B: I
     computes the input gradient and, on the way, the gradient of the output of
-    every module that owns parameters; W later turns each of those into that
-    module's own parameter gradients, so nothing is accumulated twice and no
-    activation gradient is computed again beyond the owning module. With
+    every op that reads a parameter (:class:`stagewise.pipeline.uses.WeightUse`);
+    W later turns each of those into that op's parameter gradients, so nothing
+    is accumulated twice and no activation gradient is computed again. With
     fusion, I leaves each fused linear's output gradient and input in the
     micro-batch's own store, and W adds them to ``.grad`` with one GEMM per
     weight, without autograd. Receives for the next actions are posted before
-    the current one computes, so transfers overlap compute. With ``fuse``, B
+    the current one computes, so transfers overlap compute. With ``fusion``, B
     accumulates linear weight gradients into ``.grad`` inside its GEMMs
     (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
     backward after which DDP all-reduces a stage, whose hooks must see it.
@@ -284,8 +284,7 @@ class _Run:
             out = x.stages[s].run(data, owned, fused=fused, store=store, pooled=pooled, anchor=anchor)
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(failure(x.stages[s], mb, data, err)) from err
-        slot = _Slot(inputs=data, output=out, owners=owners, received=received, anchor=anchor)  # type: ignore[arg-type]
-        slot.store = store if split else None
+        slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor)  # type: ignore[arg-type]
         if s == x.last:
             if self.training:
                 self._loss(slot, mb)
@@ -382,8 +381,8 @@ class _Run:
                 if sync:  # before the first of this action's backwards: they all complete the stage's gradients
                     self._arm(action.stage, [t for u in slot.owners for t in grad_tensors(u.output)])
                     sync = False
-                # Only this module's own parameters: autograd stops where they are reached, so no
-                # activation gradient is recomputed beyond the module and nothing is counted twice.
+                # Only this op's parameters: autograd stops where they are reached, so no activation
+                # gradient is recomputed and nothing is counted twice.
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
         if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
             slot.store.flush()
