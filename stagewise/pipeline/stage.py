@@ -139,15 +139,18 @@ class StageModule(nn.Module):
         """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
         self._large: dict[bool, list[nn.Parameter]] = {}
         """The parameters a fused forward may take, without and with pooling."""
+        self._recorder: ParameterUses | None = None
+        """Records the uses of parameters outside segments; built once: a stage's parameters are fixed once it runs."""
         for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
             if isinstance(layer, Segment):
                 layer.record = self._record_use
 
     def _record_use(self, params: tuple[torch.Tensor, ...], output: object) -> None:
-        if self.capture is not None:
-            tensors = tuple(t for t in as_tensors(output)[0] if t.requires_grad)
-            if tensors:
-                self.capture.append(WeightUse(params, tensors[0] if len(tensors) == 1 else tensors))
+        if self.capture is None:
+            return
+        use = WeightUse.of(params, output)
+        if use is not None:
+            self.capture.append(use)
 
     def run(
         self,
@@ -171,12 +174,18 @@ class StageModule(nn.Module):
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         large = self._fusible(pooled=pooled) if fused else []
         modes: list[TorchFunctionMode] = [FusedWeightGradients(large, store=store, anchor=anchor)] if large else []
-        # Innermost, so that it sees each op as the model calls it: a segment reports its own ops instead.
-        recording = [*modes, ParameterUses(self.parameters(), owners)] if owners is not None else modes
+        recording = modes
+        if owners is not None:
+            if self._recorder is None:
+                self._recorder = ParameterUses(self.parameters(), owners)
+            self._recorder.uses = owners
+            # Innermost, so that it sees each op as the model calls it: a segment reports its own ops instead.
+            recording = [*modes, self._recorder]
+        calls = {True: functools.partial(_call, modes), False: functools.partial(_call, recording)}
         try:
             with cast:
                 for layer in self.layers:
-                    call = functools.partial(_call, modes if isinstance(layer, Segment) else recording)
+                    call = calls[isinstance(layer, Segment)]
                     if self.checkpointing and torch.is_grad_enabled():
                         # The recomputation must record what the forward recorded: the modes go inside.
                         x = checkpoint(call, layer, x, use_reentrant=False)

@@ -27,6 +27,14 @@ class WeightUse:
     params: tuple[torch.Tensor, ...]
     output: torch.Tensor | tuple[torch.Tensor, ...]
 
+    @classmethod
+    def of(cls, params: tuple[torch.Tensor, ...], output: object) -> WeightUse | None:
+        """The use of ``params`` that computed ``output``; None when no tensor in it carries a gradient."""
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return None
+        return cls(params, tensors[0] if len(tensors) == 1 else tuple(tensors))
+
     @property
     def fused(self) -> bool:
         """Whether a fused op accumulates every trainable parameter of this use itself (W needs no autograd)."""
@@ -49,6 +57,7 @@ class ParameterUses(TorchFunctionMode):
         super().__init__()
         self.ids = frozenset(id(p) for p in params)
         self.uses = uses
+        """Where the records go; may be replaced between forwards, to record each into a list of its own."""
 
     def __torch_function__(
         self,
@@ -61,10 +70,9 @@ class ParameterUses(TorchFunctionMode):
         out = func(*args, **kwargs)
         if torch.is_grad_enabled():
             read = _read(args, kwargs, self.ids)
-            if read:
-                outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-                if outputs:
-                    self.uses.append(WeightUse(read, outputs[0] if len(outputs) == 1 else tuple(outputs)))
+            use = WeightUse.of(read, out) if read else None
+            if use is not None:
+                self.uses.append(use)
         return out
 
 
