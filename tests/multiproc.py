@@ -3,14 +3,21 @@
 ``run_ranks(fn, nprocs, *args, timeout=60)`` launches ``fn(*args)`` on
 ``nprocs`` local processes through :func:`stagewise.comm.launch` (torchrun's
 elastic agent), inside a runner process in its own session. If the job has not
-finished within ``timeout`` seconds, the whole session (runner, agent and
-workers) is killed and the test fails; a hang never stalls the suite.
+finished within ``timeout`` seconds, the whole session (runner, fork server,
+agent and workers) is killed and the test fails; a hang never stalls the suite.
 Results come back as a dict from global rank to ``fn``'s return value; a
 failed rank raises :class:`stagewise.comm.LaunchError` here.
+
+Starting the processes is most of a short test's time, so each launch takes
+a runner that was started during the previous test: it has already imported
+torch and started a fork server that has too, and the ranks are forked from
+that server (``start_method="forkserver"``) unless a test asks for another.
+Every runner still serves one job only, so no state passes between tests.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import signal
@@ -31,19 +38,55 @@ def _command(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], options: 
     return job
 
 
-def start_ranks(
-    fn: Callable[..., Any], nprocs: int, *args: Any, workdir: Path, **options: Any
-) -> subprocess.Popen[bytes]:
-    """Start the runner for one launch in its own session; see :func:`finish`."""
-    job = _command(fn, nprocs, args, options, workdir)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+PRELOAD = ["torch", "torch.distributed", "stagewise.comm", "stagewise.pipeline", "stagewise.models", "hypothesis"]
+"""What a runner's fork server imports before it forks the ranks of any test."""
+
+
+def _runner() -> subprocess.Popen[bytes]:
+    """A runner in its own session that warms up, then reads the path of its one job from stdin."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, __file__, str(job)],
+        [sys.executable, __file__],
         env=env,
         start_new_session=True,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+
+
+class _WarmRunners:
+    """Keeps one runner warming up while a test runs, for the next launch."""
+
+    def __init__(self) -> None:
+        self.spare: subprocess.Popen[bytes] | None = None
+
+    def take(self) -> subprocess.Popen[bytes]:
+        runner = self.spare if self.spare is not None and self.spare.poll() is None else _runner()
+        self.spare = _runner()
+        return runner
+
+    def drop(self) -> None:
+        if self.spare is not None and self.spare.poll() is None:
+            os.killpg(self.spare.pid, signal.SIGKILL)
+            self.spare.wait()
+
+
+_RUNNERS = _WarmRunners()
+atexit.register(_RUNNERS.drop)
+
+
+def start_ranks(
+    fn: Callable[..., Any], nprocs: int, *args: Any, workdir: Path, **options: Any
+) -> subprocess.Popen[bytes]:
+    """Hand one launch to a warm runner (and start the next one); see :func:`finish`."""
+    options.setdefault("start_method", "forkserver")
+    job = _command(fn, nprocs, args, options, workdir)
+    runner = _RUNNERS.take()
+    assert runner.stdin is not None
+    runner.stdin.write(f"{job}\n".encode())
+    runner.stdin.flush()  # finish() closes it
+    return runner
 
 
 def finish(runner: subprocess.Popen[bytes], workdir: Path, timeout: float) -> dict[int, Any]:
@@ -72,11 +115,19 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         return finish(runner, Path(tmp), timeout)
 
 
-def _main(job: Path) -> None:
+def _main() -> None:
     import importlib
+    import multiprocessing
+    import multiprocessing.forkserver
 
     from stagewise.comm import LaunchError, launch
 
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+    line = sys.stdin.readline().strip()
+    if not line:
+        return  # the test session ended before this runner was needed
+    job = Path(line)
     module, qualname, nprocs, args, options = pickle.loads(job.read_bytes())
     fn = importlib.import_module(module)
     for part in qualname.split("."):
@@ -91,4 +142,4 @@ def _main(job: Path) -> None:
 
 
 if __name__ == "__main__":
-    _main(Path(sys.argv[1]))
+    _main()

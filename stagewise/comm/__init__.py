@@ -1,7 +1,15 @@
 """Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
 
 from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError
-from stagewise.comm.launch import LaunchError, LaunchOptions, RankFailure, free_port, launch, launch_module
+from stagewise.comm.launch import (
+    LaunchError,
+    LaunchOptions,
+    RankFailure,
+    StartMethod,
+    free_port,
+    launch,
+    launch_module,
+)
 from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
 from stagewise.comm.meta import TensorMeta
 from stagewise.comm.p2p import Payload, PayloadLayout, Pending, Receiving, Transport, as_tensors
@@ -21,6 +29,7 @@ __all__ = [
     "PipelineMesh",
     "RankFailure",
     "Receiving",
+    "StartMethod",
     "TensorMeta",
     "Transport",
     "as_tensors",

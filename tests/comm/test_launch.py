@@ -1,4 +1,4 @@
-"""The local launcher: results by rank, the failing rank's traceback, modules, and two local nodes."""
+"""The local launcher: results by rank under both start methods, the failing rank's traceback, modules, two nodes."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import torch
 import torch.distributed as dist
 from multiproc import finish, run_ranks, start_ranks
 
-from stagewise.comm import LaunchError, free_port, launch
+from stagewise.comm import LaunchError, StartMethod, free_port, launch, launch_module
 
 
-def report_rank() -> tuple[int, int, str, str]:
+def report_rank() -> tuple[int, int, str, str, int, str | None]:
     dist.init_process_group("gloo")
     total = torch.tensor([dist.get_rank()])
     dist.all_reduce(total)
-    info = (dist.get_rank(), int(total), os.environ["CUDA_VISIBLE_DEVICES"], os.environ["OMP_NUM_THREADS"])
+    env = os.environ
+    info = (dist.get_rank(), int(total), env["CUDA_VISIBLE_DEVICES"], env["OMP_NUM_THREADS"], torch.get_num_threads())
     dist.destroy_process_group()
-    return info
+    return (*info, env.get("STAGEWISE_TEST_VALUE"))
 
 
 def fail_on_rank_one() -> None:
@@ -30,9 +31,12 @@ def fail_on_rank_one() -> None:
     dist.barrier()  # rank 0 waits here until the agent stops it
 
 
-def test_results_come_back_by_rank() -> None:
-    results = run_ranks(report_rank, 3)
-    assert results == {0: (0, 3, "", "1"), 1: (1, 3, "", "1"), 2: (2, 3, "", "1")}
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_results_come_back_by_rank(start_method: StartMethod) -> None:
+    # The runner's fork server imported torch with one thread and without the variable: both must still arrive.
+    env = {"STAGEWISE_TEST_VALUE": "seen"}
+    results = run_ranks(report_rank, 3, start_method=start_method, threads=2, env=env)
+    assert results == {rank: (rank, 3, "", "2", 2, "seen") for rank in range(3)}
 
 
 def test_a_failing_rank_surfaces_its_traceback() -> None:
@@ -59,8 +63,6 @@ def test_a_result_that_cannot_come_back_is_named() -> None:
 
 
 def test_launch_module_reports_the_failing_rank(tmp_path: Path) -> None:
-    from stagewise.comm import launch_module
-
     with pytest.raises(LaunchError) as info:
         launch_module("stagewise", ["partition", "--stages", "0"], 2)
     assert "--stages: expected a number >= 1, got 0" in info.value.failures[0].traceback
@@ -73,6 +75,10 @@ def test_bad_launch_arguments() -> None:
         launch(report_rank, 1, nnodes=2)
     with pytest.raises(ValueError, match=r"device must be 'cpu' or 'auto'"):
         launch(report_rank, 1, device="tpu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"start_method must be 'spawn' or 'forkserver', got 'fork'"):
+        launch(report_rank, 1, start_method="fork")  # type: ignore[typeddict-item]
+    with pytest.raises(ValueError, match=r"launch_module starts fresh interpreters; start_method='forkserver'"):
+        launch_module("stagewise", ["partition"], 1, start_method="forkserver")
 
 
 def test_two_local_nodes_form_one_job() -> None:
@@ -84,4 +90,4 @@ def test_two_local_nodes_form_one_job() -> None:
     ranks = sorted([*first, *second])
     assert ranks == [0, 1, 2, 3]
     # Every rank saw the same all-reduce over four processes: 0 + 1 + 2 + 3.
-    assert {v[1] for v in [*first.values(), *second.values()]} == {6}
+    assert {v[1:] for v in [*first.values(), *second.values()]} == {(6, "", "1", 1, None)}
