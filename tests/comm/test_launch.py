@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -10,8 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from multiproc import finish, run_ranks, start_ranks
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from stagewise.comm import LaunchError, StartMethod, free_port, launch, launch_module
+from stagewise.comm import LaunchError, Layout, StartMethod, free_port, launch, launch_module
+from stagewise.comm.launch import _failures
 
 
 def report_rank() -> tuple[int, int, str, str, int, str | None]:
@@ -47,6 +50,31 @@ def test_a_failing_rank_surfaces_its_traceback() -> None:
     assert first.message == "ValueError: rank one cannot go on"
     assert "in fail_on_rank_one" in first.traceback and 'raise ValueError("rank one cannot go on")' in first.traceback
     assert str(info.value).startswith("rank 1 failed (exit code 1): ValueError: rank one cannot go on")
+
+
+def _error_file(folder: Path, message: str, written_at: float) -> Path:
+    folder.mkdir(parents=True)
+    path = folder / "error.json"
+    trace = f"Traceback (most recent call last):\n{message}"
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": trace, "timestamp": str(int(written_at))}}}
+    path.write_text(json.dumps(data))
+    os.utime(path, (written_at, written_at))
+    return path
+
+
+def test_the_rank_that_raised_first_is_named_first_even_when_the_agent_noticed_another(tmp_path: Path) -> None:
+    # Rank 1 raised; rank 0 failed 0.2 s later on the closed connection, in the same second, and the agent noticed
+    # only rank 0. Each of the two ranks on this node (global ranks 2 and 3 of the job) left its error file.
+    attempt, now = tmp_path / "job" / "attempt_0", 1_700_000_000.1
+    _error_file(attempt / "1", "ValueError: rank one cannot go on", now)
+    noticed = _error_file(attempt / "0", "RuntimeError: Connection closed by peer", now + 0.2)
+    err = ChildFailedError("job", {2: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(noticed))})
+    failures = _failures(err, tmp_path, Layout(4, 1))
+    assert [(f.rank, f.exitcode, f.message, f.where) for f in failures] == [
+        (3, 1, "ValueError: rank one cannot go on", "stage 3, replica 0"),
+        (2, 1, "RuntimeError: Connection closed by peer", "stage 2, replica 0"),
+    ]
+    assert str(LaunchError(failures)).startswith("rank 3 (stage 3, replica 0) failed (exit code 1): ValueError")
 
 
 def return_a_graph() -> torch.Tensor:
