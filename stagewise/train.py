@@ -18,7 +18,16 @@ from stagewise.comm import init_mesh
 from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
 from stagewise.models.text import text_splits
 from stagewise.partition import Partition, auto
-from stagewise.pipeline import Batch, DataParallel, LossFn, NonFinite, Pipeline, ScheduleName, StageLoader
+from stagewise.pipeline import (
+    Batch,
+    DataParallel,
+    LossFn,
+    NonFinite,
+    Pipeline,
+    ScheduleName,
+    StageLoader,
+    WeightGradientFusion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +71,12 @@ class TrainConfig:
     """Run forwards under bfloat16 autocast."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them."""
+    weight_gradient_fusion: bool = True
+    """Accumulate large linear weights' gradients inside the backward (:class:`WeightGradientFusion`); False leaves
+    every weight gradient to autograd."""
+    weight_gradient_pool: int | None = None
+    """Backwards of a rank whose weight gradients are pooled into one GEMM per weight (more memory held, less memory
+    traffic); None lets the schedule choose: a whole step for GPipe, none for the others."""
     seed: int = 0
     """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
     data: str | None = None
@@ -96,6 +111,14 @@ class TrainConfig:
         for name, value in (("lr", self.lr), ("timeout", self.timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        pool = self.weight_gradient_pool
+        if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
+            raise ValueError(f"weight_gradient_pool must be a number of backwards >= 1 or None, got {pool!r}")
+        if pool is not None and not self.weight_gradient_fusion:
+            raise ValueError(
+                f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "
+                "turn fusion on or leave the pool out"
+            )
         if self.clip < 0:
             raise ValueError(f"clip must be >= 0 (0 turns it off), got {self.clip}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
@@ -228,6 +251,9 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
         timeout=config.timeout,
         data_parallel=DataParallel(),
         nonfinite=config.nonfinite,
+        fuse_weight_gradients=WeightGradientFusion(pool=config.weight_gradient_pool)
+        if config.weight_gradient_fusion
+        else None,
     )
 
 

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.cli import main
+from stagewise.cli import main, parser
+from stagewise.cli.train import config_of
 from stagewise.partition import Partition
+from stagewise.train import TrainConfig
 
 
 def test_partition_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -129,8 +131,18 @@ def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
     text = capsys.readouterr().out
     for flag in ("--model", "--stages", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
                  "--lr", "--optimizer", "--bf16", "--activation-checkpointing", "--seed", "--data", "--checkpoint-dir",
-                 "--checkpoint-every", "--resume", "--trace"):  # fmt: skip
+                 "--checkpoint-every", "--resume", "--trace", "--weight-grad-pool",
+                 "--no-weight-grad-fusion"):  # fmt: skip
         assert flag in text, flag
+
+
+def test_train_flags_set_how_weight_gradients_accumulate() -> None:
+    def config(*argv: str) -> TrainConfig:
+        return config_of(parser().parse_args(["train", *argv]))
+
+    assert (config().weight_gradient_fusion, config().weight_gradient_pool) == (True, None)
+    assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
+    assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
 
 
 def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,3 +150,10 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "resume needs checkpoint_dir" in capsys.readouterr().err
     assert main(["train", "--stop-after", "400"]) == 2
     assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err
+    assert main(["train", "--no-weight-grad-fusion", "--weight-grad-pool", "2"]) == 2
+    assert "weight_gradient_pool=2 pools fused weight gradients, but weight_gradient_fusion is off" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["train", "--weight-grad-pool", "0"])
+    assert "--weight-grad-pool: expected a number >= 1, got 0" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from multiproc import run_ranks
 from stagewise import checkpoint
 from stagewise.comm import LaunchError
 from stagewise.models import build
-from stagewise.pipeline import materialise_model
+from stagewise.pipeline import WeightGradientFusion, materialise_model
 from stagewise.train import TrainConfig, build_pipeline, train
 
 BASE = TrainConfig(
@@ -153,9 +153,28 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert "rank 0 cannot write checkpoints to" in messages["unwritable"]
 
 
+def fusions(configs: list[TrainConfig]) -> list[WeightGradientFusion | None]:
+    torch.set_num_threads(1)
+    found = [build_pipeline(config).fusion for config in configs]
+    dist.destroy_process_group()
+    return found
+
+
+def test_the_weight_gradient_options_reach_the_pipeline() -> None:
+    one = dataclasses.replace(BASE, stages=1)
+    configs = [
+        one,
+        dataclasses.replace(one, weight_gradient_pool=2),
+        dataclasses.replace(one, weight_gradient_fusion=False),
+    ]
+    assert run_ranks(fusions, 1, configs)[0] == [WeightGradientFusion(), WeightGradientFusion(pool=2), None]
+
+
 def test_resume_without_a_checkpoint_dir_is_refused() -> None:
     with pytest.raises(ValueError, match=r"resume needs checkpoint_dir"):
         dataclasses.replace(BASE, resume=True)
+    with pytest.raises(ValueError, match=r"weight_gradient_pool must be a number of backwards >= 1 or None, got 0"):
+        dataclasses.replace(BASE, weight_gradient_pool=0)
     with pytest.raises(ValueError, match=r"unknown model preset 'gpt-huge'"):
         dataclasses.replace(BASE, model="gpt-huge")
     with pytest.raises(ValueError, match=r"microbatches must be a whole number >= 1, got 0"):

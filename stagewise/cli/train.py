@@ -47,6 +47,15 @@ def add(commands: Any) -> None:
     p.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip (0: off)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument(
+        "--weight-grad-pool", dest="weight_gradient_pool", type=args.positive_int, default=None, metavar="K",
+        help="pool K backwards' weight gradients into one GEMM per weight (default: a whole step for gpipe, "
+        "none otherwise; zero-bubble never pools)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-weight-grad-fusion", dest="weight_gradient_fusion", action="store_false",
+        help="leave weight-gradient accumulation to autograd (default: large linear weights accumulate in backward)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data order")
     p.add_argument("--data", default=d.data, help="text file or folder (GPT; default: the Python stdlib source)")
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: at the end)")
@@ -69,7 +78,8 @@ def add(commands: Any) -> None:
     p.add_argument("--out", type=Path, default=Path("stagewise-run"), help="folder for summary.json and loss.png")
 
 
-def _config(ns: argparse.Namespace) -> TrainConfig:
+def config_of(ns: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig that ``stagewise train``'s parsed arguments ask for; a ``--plan`` sets the layout."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(ns).items() if k in names}
     if ns.plan is not None:
@@ -153,7 +163,7 @@ def report(summary: Summary, out: Path) -> list[str]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    config = _config(ns)
+    config = config_of(ns)
     if _under_torchrun():
         summary = run_rank(config)
         if int(os.environ.get("RANK", "0")) != 0:

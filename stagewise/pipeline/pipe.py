@@ -217,6 +217,8 @@ class Pipeline:
             grad_scale=float(dp) if loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
             fusion=fuse_weight_gradients,
         )
+        self.fusion = fuse_weight_gradients
+        """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
         self.trace = None if trace is None else Path(trace)
         self.last_result: StepResult | None = None
         log.info(
