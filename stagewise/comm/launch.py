@@ -113,18 +113,23 @@ def _failed_at(failure: ProcessFailure) -> float:
     return float(failure.timestamp)
 
 
-def _with_unrecorded(failures: Mapping[int, ProcessFailure]) -> dict[int, ProcessFailure]:
+def _with_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) -> dict[int, ProcessFailure]:
     """The agent's failures and those of the other ranks that raised in the same attempt.
 
     The agent records only the first failed process it notices; when a rank
     raises and its peers fail on the closed connection before the agent's next
-    look, that can be a peer. Every rank that raised left an error file.
+    look, that can be a peer. Every rank that raised left an error file in the
+    last attempt's folder of our log directory.
     """
     found = dict(failures)
+    attempts = [p for p in log_dir.glob("*/attempt_*") if p.name.removeprefix("attempt_").isdigit()]
+    if not found or not attempts:
+        return found
+    latest = max(attempts, key=lambda p: int(p.name.removeprefix("attempt_")))
     rank, failure = next(iter(failures.items()))
     offset = rank - failure.local_rank  # ranks of one node are consecutive
     known = {f.local_rank for f in failures.values()}
-    for error_file in Path(failure.error_file).parent.parent.glob("*/error.json"):
+    for error_file in latest.glob("*/error.json"):
         local = error_file.parent.name
         if local.isdigit() and int(local) not in known:
             # An uncaught exception ends a Python process with exit code 1.
@@ -134,7 +139,7 @@ def _with_unrecorded(failures: Mapping[int, ProcessFailure]) -> dict[int, Proces
 
 def _failures(err: ChildFailedError, log_dir: Path, layout: Layout | None = None) -> list[RankFailure]:
     found = []
-    failures = _with_unrecorded(err.failures) if err.failures else {}
+    failures = _with_unrecorded(err.failures, log_dir)
     for rank, failure in sorted(failures.items(), key=lambda item: (_failed_at(item[1]), item[0])):
         message: Any = failure.message
         if isinstance(message, dict):

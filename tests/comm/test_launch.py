@@ -65,7 +65,7 @@ def _error_file(folder: Path, message: str, written_at: float) -> Path:
 def test_the_rank_that_raised_first_is_named_first_even_when_the_agent_noticed_another(tmp_path: Path) -> None:
     # Rank 1 raised; rank 0 failed 0.2 s later on the closed connection, in the same second, and the agent noticed
     # only rank 0. Each of the two ranks on this node (global ranks 2 and 3 of the job) left its error file.
-    attempt, now = tmp_path / "job" / "attempt_0", 1_700_000_000.1
+    attempt, now = tmp_path / "job_x1" / "attempt_0", 1_700_000_000.1
     _error_file(attempt / "1", "ValueError: rank one cannot go on", now)
     noticed = _error_file(attempt / "0", "RuntimeError: Connection closed by peer", now + 0.2)
     err = ChildFailedError("job", {2: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(noticed))})
@@ -75,6 +75,22 @@ def test_the_rank_that_raised_first_is_named_first_even_when_the_agent_noticed_a
         (2, 1, "RuntimeError: Connection closed by peer", "stage 2, replica 0"),
     ]
     assert str(LaunchError(failures)).startswith("rank 3 (stage 3, replica 0) failed (exit code 1): ValueError")
+
+
+def test_a_killed_rank_the_agent_noticed_comes_with_the_ranks_that_raised_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A killed rank leaves no error file; the agent dates its failure when it noticed it, in whole seconds.
+    killed = ProcessFailure(local_rank=1, pid=10, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    _error_file(tmp_path / "job_x1" / "attempt_0" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp + 0.5)
+    _error_file(tmp_path / "job_x1" / "attempt_1" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp + 0.6)
+    monkeypatch.chdir(tmp_path)
+    _error_file(tmp_path / "elsewhere", "RuntimeError: not this job's", killed.timestamp)  # in the working folder
+    failures = _failures(ChildFailedError("job", {1: killed}), tmp_path)
+    assert [(f.rank, f.exitcode, f.message) for f in failures] == [
+        (1, -9, "Signal 9 (SIGKILL) received by PID 10"),
+        (0, 1, "PeerGoneError: rank 0 lost rank 1"),  # once: from the last attempt only
+    ]
 
 
 def return_a_graph() -> torch.Tensor:
