@@ -12,7 +12,9 @@ Starting the processes is most of a short test's time, so each launch takes
 a runner that was started during the previous test: it has already imported
 torch and started a fork server that has too, and the ranks are forked from
 that server (``start_method="forkserver"``) unless a test asks for another.
-Every runner still serves one job only, so no state passes between tests.
+Every runner still serves one job only, so no state passes between tests;
+its environment is this process's at the launch before, so a test that needs
+a variable in its ranks passes ``env={...}`` (an option of ``launch``).
 """
 
 from __future__ import annotations
