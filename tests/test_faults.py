@@ -77,9 +77,7 @@ def killed(phase: str, root: str) -> None:
 def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: Path) -> None:
     began = time.monotonic()
     with pytest.raises(LaunchError) as info:
-        # Started as `stagewise train` starts its ranks. With ranks forked from a fork server, the survivor's failure
-        # often reaches the agent first, and the agent records only the first failure it sees.
-        run_ranks(killed, 2, phase, str(tmp_path), timeout=150, layout=Layout(2, 1), start_method="spawn")
+        run_ranks(killed, 2, phase, str(tmp_path), timeout=150, layout=Layout(2, 1))
     assert time.monotonic() - began < 60 + 15  # the survivor is stopped well within 60 s (plus start-up)
     dead = [f for f in info.value.failures if f.rank == 1]
     assert dead and dead[0].exitcode == -signal.SIGKILL, info.value.failures

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import multiprocessing
 import os
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any, Literal, TypedDict, TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from typing_extensions import Unpack
 
@@ -31,6 +33,14 @@ LOOPBACK = "127.0.0.1"
 StartMethod = Literal["spawn", "forkserver"]
 """How :func:`launch` starts its processes; see :attr:`LaunchOptions.start_method`."""
 
+FAILURE_GRACE = 1.0
+"""Seconds a failing rank of :func:`launch` waits, its report written, before it exits.
+
+Its peers fail soon after it exits, on the closed connection, and the agent
+records only the first failure it notices. A rank killed by a signal writes
+no report, so its peers wait this long for the agent to notice it first.
+"""
+
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "stagewise.comm")
 """Modules the fork server imports once, before it forks any process, with the launched function's own module."""
 
@@ -41,8 +51,9 @@ class RankFailure:
 
     rank: int
     """Global rank."""
-    exitcode: int
-    """Its exit code; negative for a signal."""
+    exitcode: int | None
+    """Its exit code, negative for a signal; None for a rank that raised after the failure the agent noticed, and
+    that the agent stopped before it exited."""
     message: str
     """The exception (``ValueError: ...``) or the signal it died of."""
     traceback: str
@@ -54,6 +65,12 @@ class RankFailure:
     def who(self) -> str:
         return f"rank {self.rank} ({self.where})" if self.where else f"rank {self.rank}"
 
+    @property
+    def how(self) -> str:
+        """``(exit code N): message``, or just ``: message`` when the exit code is not known."""
+        code = "" if self.exitcode is None else f" (exit code {self.exitcode})"
+        return f"{code}: {self.message}"
+
 
 class LaunchError(RuntimeError):
     """A launched job failed; ``failures`` lists every failed rank, the first to fail first."""
@@ -61,11 +78,11 @@ class LaunchError(RuntimeError):
     def __init__(self, failures: Sequence[RankFailure]) -> None:
         self.failures = tuple(failures)
         first = self.failures[0]
-        lines = [f"{first.who} failed (exit code {first.exitcode}): {first.message}"]
+        lines = [f"{first.who} failed{first.how}"]
         if first.traceback:
             lines.append(first.traceback.rstrip())
         for other in self.failures[1:]:
-            lines.append(f"{other.who} also failed (exit code {other.exitcode}): {other.message}")
+            lines.append(f"{other.who} also failed{other.how}")
         super().__init__("\n".join(lines))
 
     def __reduce__(self) -> tuple[type[LaunchError], tuple[tuple[RankFailure, ...]]]:
@@ -103,44 +120,46 @@ def _stderr_tail(log_dir: Path, local_rank: int, lines: int = 30) -> str:
 
 
 def _failed_at(failure: ProcessFailure) -> float:
-    """When a rank failed: its error file's write time, finer than the whole seconds the agent records.
+    """When a rank failed, to list the first failure first.
 
-    A rank that raises first takes its peers down with it (they see the
-    connection close a few milliseconds later), usually within the same second.
+    A rank that raised wrote an error file: its write time, finer than the
+    whole seconds the agent records. One without (killed by a signal) is the
+    failure the agent noticed, and it noticed it before any rank that raised
+    had exited (those wait :data:`FAILURE_GRACE`): it comes first.
     """
     if os.path.isfile(failure.error_file):
         return os.stat(failure.error_file).st_mtime
-    return float(failure.timestamp)
+    return -math.inf
 
 
-def _with_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) -> dict[int, ProcessFailure]:
-    """The agent's failures and those of the other ranks that raised in the same attempt.
+def _raised_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) -> dict[int, ProcessFailure]:
+    """The ranks of the agent's last attempt that raised, but that the agent did not record.
 
-    The agent records only the first failed process it notices; when a rank
-    raises and its peers fail on the closed connection before the agent's next
-    look, that can be a peer. Every rank that raised left an error file in the
-    last attempt's folder of our log directory.
+    The agent records only the first failed process it notices, and stops the
+    others. Every rank that raised left an error file in the last attempt's
+    folder of our log directory before it lingered (:data:`FAILURE_GRACE`).
     """
-    found = dict(failures)
     attempts = [p for p in log_dir.glob("*/attempt_*") if p.name.removeprefix("attempt_").isdigit()]
-    if not found or not attempts:
-        return found
+    if not failures or not attempts:
+        return {}
     latest = max(attempts, key=lambda p: int(p.name.removeprefix("attempt_")))
     rank, failure = next(iter(failures.items()))
     offset = rank - failure.local_rank  # ranks of one node are consecutive
     known = {f.local_rank for f in failures.values()}
+    found = {}
     for error_file in latest.glob("*/error.json"):
         local = error_file.parent.name
         if local.isdigit() and int(local) not in known:
-            # An uncaught exception ends a Python process with exit code 1.
+            # The exit code is not known: the agent stopped it (pid and exit code here are placeholders).
             found[offset + int(local)] = ProcessFailure(int(local), pid=-1, exitcode=1, error_file=str(error_file))
     return found
 
 
 def _failures(err: ChildFailedError, log_dir: Path, layout: Layout | None = None) -> list[RankFailure]:
     found = []
-    failures = _with_unrecorded(err.failures, log_dir)
-    for rank, failure in sorted(failures.items(), key=lambda item: (_failed_at(item[1]), item[0])):
+    stopped = _raised_unrecorded(err.failures, log_dir)
+    every = {**err.failures, **stopped}
+    for rank, failure in sorted(every.items(), key=lambda item: (_failed_at(item[1]), item[0])):
         message: Any = failure.message
         if isinstance(message, dict):
             text = str(message.get("message", ""))
@@ -153,9 +172,10 @@ def _failures(err: ChildFailedError, log_dir: Path, layout: Layout | None = None
         if layout is not None and 0 <= rank < layout.world_size:
             place = layout.coords(rank)
             where = f"stage {place.stage}, replica {place.replica}"
-        if failure.exitcode < 0 and not text:
-            text = f"killed by signal {-failure.exitcode}"
-        found.append(RankFailure(rank, failure.exitcode, text, trace, where))
+        exitcode = None if rank in stopped else failure.exitcode
+        if exitcode is not None and exitcode < 0 and not text:
+            text = f"killed by signal {-exitcode}"
+        found.append(RankFailure(rank, exitcode, text, trace, where))
     return found
 
 
@@ -209,7 +229,8 @@ def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[Laun
     :class:`LaunchError` with the failing rank's traceback; with
     ``max_restarts`` the agent first restarts the whole group that many times.
     """
-    return _run(_Returning(fn, _children(options), options.get("threads", 1)), args, nprocs, options)
+    grace = FAILURE_GRACE + 2 * options.get("monitor_interval", 0.1)  # the agent looks once per interval
+    return _run(_Returning(fn, _children(options), options.get("threads", 1), grace), args, nprocs, options)
 
 
 class _Returning:
@@ -220,20 +241,29 @@ class _Returning:
     set would not see them. The agent pickles each rank's result after
     ``fn`` has returned, outside the scope that records a rank's exception,
     so an unpicklable result (a tensor attached to an autograd graph) would
-    fail without its cause.
+    fail without its cause. A rank that fails writes its report at once, then
+    waits ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`).
     """
 
-    def __init__(self, fn: Callable[..., Any], env: Mapping[str, str], threads: int | None) -> None:
+    def __init__(self, fn: Callable[..., Any], env: Mapping[str, str], threads: int | None, grace: float) -> None:
         self.fn = fn
         self.env = dict(env)
         self.threads = threads
+        self.grace = grace
         functools.update_wrapper(self, fn)  # the agent names the job after fn
 
     def __call__(self, *args: Any) -> Any:
         os.environ.update(self.env)
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        result = self.fn(*args)
+        try:
+            return self._checked(self.fn(*args))
+        except Exception as err:
+            get_error_handler().record_exception(err)  # now: the agent may stop this process while it waits
+            time.sleep(self.grace)
+            raise
+
+    def _checked(self, result: Any) -> Any:
         try:
             ForkingPickler.dumps(result)
         except Exception as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -42,6 +43,23 @@ def test_results_come_back_by_rank(start_method: StartMethod) -> None:
     assert results == {rank: (rank, 3, "", "2", 2, "seen") for rank in range(3)}
 
 
+def rank_one_is_killed() -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()  # rank 0 fails here as soon as rank 1 is gone
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_a_killed_rank_is_named_first_and_the_peer_that_failed_on_it_after(start_method: StartMethod) -> None:
+    # Rank 0 fails within milliseconds of rank 1's death; it lingers so that the agent notices rank 1 first.
+    with pytest.raises(LaunchError) as info:
+        run_ranks(rank_one_is_killed, 2, start_method=start_method)
+    assert [(f.rank, f.exitcode) for f in info.value.failures] == [(1, -signal.SIGKILL), (0, None)]
+    assert str(info.value).startswith("rank 1 failed (exit code -9): Signal 9 (SIGKILL) received by PID")
+    assert "\nrank 0 also failed: " in str(info.value)
+
+
 def test_a_failing_rank_surfaces_its_traceback() -> None:
     with pytest.raises(LaunchError) as info:
         run_ranks(fail_on_rank_one, 2)
@@ -71,25 +89,26 @@ def test_the_rank_that_raised_first_is_named_first_even_when_the_agent_noticed_a
     err = ChildFailedError("job", {2: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(noticed))})
     failures = _failures(err, tmp_path, Layout(4, 1))
     assert [(f.rank, f.exitcode, f.message, f.where) for f in failures] == [
-        (3, 1, "ValueError: rank one cannot go on", "stage 3, replica 0"),
+        (3, None, "ValueError: rank one cannot go on", "stage 3, replica 0"),  # stopped by the agent: no exit code
         (2, 1, "RuntimeError: Connection closed by peer", "stage 2, replica 0"),
     ]
-    assert str(LaunchError(failures)).startswith("rank 3 (stage 3, replica 0) failed (exit code 1): ValueError")
+    assert str(LaunchError(failures)).startswith("rank 3 (stage 3, replica 0) failed: ValueError: rank one cannot")
 
 
 def test_a_killed_rank_the_agent_noticed_comes_with_the_ranks_that_raised_after_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A killed rank leaves no error file; the agent dates its failure when it noticed it, in whole seconds.
+    # A killed rank leaves no error file; the agent dates its failure when it noticed it, in whole seconds, so its
+    # peer's report can look earlier (a kill just before a second begins, noticed just after).
     killed = ProcessFailure(local_rank=1, pid=10, exitcode=-9, error_file=str(tmp_path / "none.json"))
-    _error_file(tmp_path / "job_x1" / "attempt_0" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp + 0.5)
-    _error_file(tmp_path / "job_x1" / "attempt_1" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp + 0.6)
+    _error_file(tmp_path / "job_x1" / "attempt_0" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp - 3)
+    _error_file(tmp_path / "job_x1" / "attempt_1" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp - 0.05)
     monkeypatch.chdir(tmp_path)
     _error_file(tmp_path / "elsewhere", "RuntimeError: not this job's", killed.timestamp)  # in the working folder
     failures = _failures(ChildFailedError("job", {1: killed}), tmp_path)
     assert [(f.rank, f.exitcode, f.message) for f in failures] == [
         (1, -9, "Signal 9 (SIGKILL) received by PID 10"),
-        (0, 1, "PeerGoneError: rank 0 lost rank 1"),  # once: from the last attempt only
+        (0, None, "PeerGoneError: rank 0 lost rank 1"),  # once: from the last attempt only
     ]
 
 
