@@ -21,7 +21,7 @@ accumulation) over p times the pipeline's step time (ideal m / (m + p - 1) =
 0.889 for m=8, p=2); same-compute efficiency divides the single-process time
 with the same accumulation as the variant instead. Peak activation memory is
 the largest total of tensors that stage 0 holds at once for backward: saved
-by autograd, or kept for a pooled weight gradient. One JSON line per (d, variant):
+by autograd, or kept for a pooled weight gradient; the same for stage 1. One JSON line per (d, variant):
 
     python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6]
 """
@@ -275,6 +275,7 @@ def main() -> None:
                 "same_compute_efficiency": round(same / (p * ours), 3),
                 "ideal": round(m / (m + p - 1), 3),
                 "stage0_peak_saved_mib": round(r0["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
+                "stage1_peak_saved_mib": round(r1["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
             }
             torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(
                 variant.removesuffix(UNFUSED).removesuffix(POOLED)

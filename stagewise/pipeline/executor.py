@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stagewise.comm import Payload, Receiving, Transport, as_tensors
-from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first
+from stagewise.pipeline.actions import Action, Kind, Schedule, free_pool
 from stagewise.pipeline.engine import Event
 from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
@@ -26,16 +26,17 @@ LossFn = Callable[[Payload, Payload], torch.Tensor]
 """``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
 
 
-def _pool(fusion: WeightGradientFusion | None, actions: Sequence[Action]) -> int | None:
+def _pool(fusion: WeightGradientFusion | None, actions: Sequence[Action], free: Callable[[], int | None]) -> int | None:
     """How many backwards pool their weight gradients (None: all of the step's); 1 when nothing is pooled.
 
     Not with a split backward: there each micro-batch's W computes its own.
+    ``free`` gives the schedule's own choice (:func:`free_pool`).
     """
     if fusion is None or any(action.kind is Kind.W for action in actions):
         return 1
     if fusion.pool is not None:
         return fusion.pool
-    return None if forwards_first(actions) else 1
+    return free()
 
 
 @dataclass
@@ -91,9 +92,9 @@ class Executor:
     (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
     backward after which DDP all-reduces a stage, whose hooks must see it.
     Backwards may pool their fused weight gradients (:class:`WeightGradientStore`),
-    computed as one GEMM per weight every ``pool`` backwards of the rank, or
-    at the end of the step where every forward of a stage precedes its
-    backwards (GPipe; see :attr:`WeightGradientFusion.pool`).
+    computed as one GEMM per weight every ``pool`` backwards of the rank, by
+    default as many as keep the rank within the pipeline's peak in flight
+    (:func:`free_pool`; see :attr:`WeightGradientFusion.pool`).
     """
 
     def __init__(
@@ -124,6 +125,13 @@ class Executor:
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
         self.fusion = fusion
         """Run training forwards under :class:`FusedWeightGradients`; None: never."""
+        self._free_pool: list[int | None] = []
+
+    def free_pool(self) -> int | None:
+        """The pool this rank's backwards take by default (:func:`free_pool`), worked out once."""
+        if not self._free_pool:
+            self._free_pool.append(free_pool(self.schedule, self.position))
+        return self._free_pool[0]
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -196,7 +204,7 @@ class _Run:
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
         fusion = executor.fusion if training else None
-        self.pool = _pool(fusion, actions)
+        self.pool = _pool(fusion, actions, executor.free_pool)
         """Flush the pooled weight gradients after every this many backwards; None: at the end of the step."""
         self.store = WeightGradientStore() if fusion is not None and self.pool != 1 else None
         """Fused weight gradients pooled until a flush."""

@@ -50,13 +50,16 @@ class WeightGradientFusion:
     pool: int | None = None
     """How many consecutive backwards of a rank pool their weight gradients into one GEMM per weight.
 
-    None chooses: all of a step's where every forward of a stage runs before
-    its first backward (GPipe), since the linear inputs a pool keeps are
-    activations kept to the end anyway; otherwise 1 (nothing pooled), so 1F1B
-    keeps only its in-flight micro-batches. A pool of k > 1 keeps each fused
-    linear's input and output gradient for up to k backwards: less memory
-    traffic where weights are large, more memory held. A split backward
-    (zero-bubble) pools nothing: each micro-batch's W adds what its I left.
+    A pool of k > 1 keeps each fused linear's input and output gradient for up
+    to k backwards: less memory traffic where weights are large, more memory
+    held, about one micro-batch's activations per pooled backward. None
+    chooses, per rank, the largest pool that keeps what the rank holds within
+    what the pipeline's fullest rank holds in flight anyway
+    (:func:`stagewise.pipeline.actions.free_pool`): all of a step's for GPipe,
+    whose forwards all come first; under 1F1B over p ranks, r + 1 on rank r,
+    so the first rank pools nothing and the others fill up to its p
+    micro-batches. A split backward (zero-bubble) pools nothing: each
+    micro-batch's W adds what its I left.
     """
 
     def __post_init__(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,8 @@ from chains import Chain
 from torch import nn
 
 from stagewise.partition import layers_of
-from stagewise.pipeline import FusedWeightGradients, WeightGradientFusion, build
-from stagewise.pipeline.actions import forwards_first
+from stagewise.pipeline import FusedWeightGradients, ScheduleName, WeightGradientFusion, build
+from stagewise.pipeline.actions import Action, Kind, free_pool
 from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.microbatch import split
@@ -128,10 +130,48 @@ def test_a_store_defers_weight_gradients_to_one_gemm_per_weight() -> None:
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
 
 
-def test_only_schedules_whose_forwards_come_first_defer() -> None:
-    assert forwards_first(build("gpipe", 2, 4).ranks[1])
-    assert not forwards_first(build("1f1b", 2, 4).ranks[1])
-    assert forwards_first(build("1f1b", 2, 1).ranks[0])  # one micro-batch: F then B
+def _held(actions: Sequence[Action], pool: int | None) -> int:
+    """The most (stage, micro-batch) pairs held at once, forwarded and not yet backward, or pooled and not flushed."""
+    in_flight: set[tuple[int, int]] = set()
+    pooled: set[tuple[int, int]] = set()
+    peak = 0
+    for action in actions:
+        pair = (action.stage, action.microbatch)
+        if action.kind is Kind.F:
+            in_flight.add(pair)
+        elif action.kind.is_backward:
+            in_flight.remove(pair)
+            pooled.add(pair)
+            if pool is not None and len(pooled) == pool:
+                pooled.clear()
+        peak = max(peak, len(in_flight | pooled))
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("name", "n_stages", "n_virtual", "m", "pools"),
+    [
+        ("gpipe", 2, 1, 8, [None, None]),  # the whole step: its forwards come first
+        ("1f1b", 2, 1, 8, [1, 2]),
+        ("1f1b", 4, 1, 8, [1, 2, 3, 4]),
+        ("1f1b", 1, 1, 4, [1]),
+        ("1f1b", 2, 1, 1, [1, 1]),
+        ("interleaved-1f1b", 4, 2, 8, [1, 3]),
+        ("interleaved-1f1b", 6, 2, 6, [1, 3, 5]),
+    ],
+)
+def test_the_default_pool_is_the_largest_within_the_pipelines_peak(
+    name: ScheduleName, n_stages: int, n_virtual: int, m: int, pools: list[int | None]
+) -> None:
+    schedule = build(name, n_stages, m, n_virtual=n_virtual)
+    assert [free_pool(schedule, rank) for rank in range(schedule.n_ranks)] == pools
+    limit = max(_held(actions, 1) for actions in schedule.ranks)
+    for rank, pool in enumerate(pools):
+        mine = schedule.ranks[rank]
+        assert _held(mine, pool) <= limit
+        backwards = sum(a.kind.is_backward for a in mine)
+        bigger = range((pool or backwards) + 1, backwards + 1)
+        assert all(_held(mine, k) > limit for k in bigger), (rank, pool)
 
 
 class _LocalTransport:
