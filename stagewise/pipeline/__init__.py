@@ -1,7 +1,7 @@
 """Pipeline schedules as validated data, their simulator and pictures, the Pipeline that runs them, and its data."""
 
 from stagewise.pipeline import schedules
-from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.actions import Action, Kind, Schedule, free_pool
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
@@ -43,6 +43,7 @@ __all__ = [
     "WeightGradientStore",
     "build",
     "clip_grad_norm_",
+    "free_pool",
     "materialise_model",
     "peak_in_flight",
     "render",

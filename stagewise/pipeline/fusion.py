@@ -55,7 +55,7 @@ class WeightGradientFusion:
     held, about one micro-batch's activations per pooled backward. None
     chooses, per rank, the largest pool that keeps what the rank holds within
     what the pipeline's fullest rank holds in flight anyway
-    (:func:`stagewise.pipeline.actions.free_pool`): all of a step's for GPipe,
+    (:func:`stagewise.pipeline.free_pool`): all of a step's for GPipe,
     whose forwards all come first; under 1F1B over p ranks, r + 1 on rank r,
     so the first rank pools nothing and the others fill up to its p
     micro-batches. A split backward (zero-bubble) pools nothing: each
