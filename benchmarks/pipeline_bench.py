@@ -9,7 +9,8 @@ batch B, m micro-batches, one thread per process), in one run:
   weight every 2 micro-batches and over the whole step (as stagewise's GPipe
   does);
 - stagewise.Pipeline with gpipe and 1f1b (fused accumulation, the default,
-  and autograd's), 1f1b pooling every 2 backwards, and zero-bubble (fused);
+  and autograd's), 1f1b pooling what fits in the pipeline's peak in flight
+  (``pool="free"``) and every 2 backwards, and zero-bubble (fused);
 - torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages;
 - both ranks computing their own stage's forwards and backwards (autograd's
   accumulation) at the same time, with no transfers: on a machine whose
@@ -164,16 +165,19 @@ def _torch_step(sched: Any, mine: nn.Module, rank: int, x: torch.Tensor, y: torc
 
 UNFUSED = " (autograd accumulation)"
 POOLED = ", pool 2"
+FREE = ", free pool"
 VARIANTS: dict[str, WeightGradientFusion | None] = {
     "gpipe": WeightGradientFusion(),
     "1f1b": WeightGradientFusion(),
+    f"1f1b{FREE}": WeightGradientFusion(pool="free"),
     f"1f1b{POOLED}": WeightGradientFusion(pool=2),
     "zero-bubble": WeightGradientFusion(),
     f"gpipe{UNFUSED}": None,
     f"1f1b{UNFUSED}": None,
 }
 """stagewise's variants and their weight-gradient accumulation: the default (GPipe pools the whole step, 1F1B fuses
-each backward, zero-bubble's W each micro-batch's), 1F1B pooling every 2 backwards, and autograd's."""
+each backward, zero-bubble's W each micro-batch's), 1F1B pooling what fits in stage 0's peak (stage 1 pools 2) and
+every 2 backwards on both stages, and autograd's."""
 
 SINGLES: dict[str, int | None] = {
     "single_microbatched": 0,
@@ -185,6 +189,7 @@ SINGLES: dict[str, int | None] = {
 SAME_COMPUTE = {
     "gpipe": "single_microbatched_pooled",
     "1f1b": "single_microbatched_fused",
+    f"1f1b{FREE}": "single_microbatched_fused",
     f"1f1b{POOLED}": "single_microbatched_pooled_2",
     "zero-bubble": "single_microbatched_fused",
 }
@@ -278,7 +283,7 @@ def main() -> None:
                 "stage1_peak_saved_mib": round(r1["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
             }
             torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(
-                variant.removesuffix(UNFUSED).removesuffix(POOLED)
+                variant.removesuffix(UNFUSED).removesuffix(POOLED).removesuffix(FREE)
             )
             if torch_name:
                 row["torch_step_ms"] = round(both[torch_name] * 1e3, 2)

@@ -74,9 +74,10 @@ class TrainConfig:
     weight_gradient_fusion: bool = True
     """Accumulate large linear weights' gradients inside the backward (:class:`WeightGradientFusion`); False leaves
     every weight gradient to autograd."""
-    weight_gradient_pool: int | None = None
+    weight_gradient_pool: int | Literal["free"] | None = None
     """Backwards of a rank whose weight gradients are pooled into one GEMM per weight (more memory held, less memory
-    traffic); None lets the schedule choose: a whole step for GPipe, none for the others."""
+    traffic); "free": as many as fit in the pipeline's peak in flight; None lets the schedule choose: a whole step
+    for GPipe, none for the others (see :attr:`WeightGradientFusion.pool`)."""
     seed: int = 0
     """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
     data: str | None = None
@@ -112,8 +113,8 @@ class TrainConfig:
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         pool = self.weight_gradient_pool
-        if pool is not None and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
-            raise ValueError(f"weight_gradient_pool must be a number of backwards >= 1 or None, got {pool!r}")
+        if pool not in (None, "free") and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
+            raise ValueError(f"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got {pool!r}")
         if pool is not None and not self.weight_gradient_fusion:
             raise ValueError(
                 f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "

@@ -142,6 +142,7 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
 
     assert (config().weight_gradient_fusion, config().weight_gradient_pool) == (True, None)
     assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
+    assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
     assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
 
 
@@ -156,4 +157,4 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     )
     with pytest.raises(SystemExit):
         main(["train", "--weight-grad-pool", "0"])
-    assert "--weight-grad-pool: expected a number >= 1, got 0" in capsys.readouterr().err
+    assert "--weight-grad-pool: expected a number >= 1 or 'free', got 0" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Literal
 
 from stagewise.units import parse_bytes
 
@@ -34,3 +35,13 @@ def per_stage(values: list[float] | None, n_stages: int, what: str) -> list[floa
     if len(values) == 1:
         return values * n_stages
     raise ValueError(f"--{what} has {len(values)} values for {n_stages} stages; give one, or one per stage")
+
+
+def pool(text: str) -> int | Literal["free"]:
+    """A weight-gradient pool: a number of backwards >= 1, or "free"."""
+    if text == "free":
+        return "free"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 or 'free', got {text}") from None

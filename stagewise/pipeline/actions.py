@@ -160,6 +160,17 @@ class Schedule:
         return cls.from_text(file.read_text(), name=file.stem)
 
 
+def forwards_first(actions: Sequence[Action]) -> bool:
+    """True when each stage's forwards all come before its first backward (GPipe), as in ``actions``."""
+    first_backward: dict[int, int] = {}
+    for i, action in enumerate(actions):
+        if action.kind.is_backward:
+            first_backward.setdefault(action.stage, i)
+        elif action.kind is Kind.F and action.stage in first_backward:
+            return False
+    return True
+
+
 def _peak_held(actions: Sequence[Action], pool: int) -> int:
     """The most micro-batches ``actions`` hold at once, in flight or pooled, when every ``pool`` backwards flush."""
     in_flight = pooled = peak = backwards = 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stagewise.comm import Payload, Receiving, Transport, as_tensors
-from stagewise.pipeline.actions import Action, Kind, Schedule, free_pool
+from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first, free_pool
 from stagewise.pipeline.engine import Event
 from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
@@ -30,13 +30,15 @@ def _pool(fusion: WeightGradientFusion | None, actions: Sequence[Action], free: 
     """How many backwards pool their weight gradients (None: all of the step's); 1 when nothing is pooled.
 
     Not with a split backward: there each micro-batch's W computes its own.
-    ``free`` gives the schedule's own choice (:func:`free_pool`).
+    ``free`` gives the largest pool within the pipeline's peak (:func:`free_pool`).
     """
     if fusion is None or any(action.kind is Kind.W for action in actions):
         return 1
+    if fusion.pool == "free":
+        return free()
     if fusion.pool is not None:
         return fusion.pool
-    return free()
+    return None if forwards_first(actions) else 1
 
 
 @dataclass
@@ -92,9 +94,10 @@ class Executor:
     (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
     backward after which DDP all-reduces a stage, whose hooks must see it.
     Backwards may pool their fused weight gradients (:class:`WeightGradientStore`),
-    computed as one GEMM per weight every ``pool`` backwards of the rank, by
-    default as many as keep the rank within the pipeline's peak in flight
-    (:func:`free_pool`; see :attr:`WeightGradientFusion.pool`).
+    computed as one GEMM per weight every ``pool`` backwards of the rank, or
+    at the end of the step where every forward of a stage precedes its
+    backwards (GPipe), or as many as keep the rank within the pipeline's peak
+    in flight (:func:`free_pool`; see :attr:`WeightGradientFusion.pool`).
     """
 
     def __init__(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -47,19 +47,23 @@ class WeightGradientFusion:
     """Fuse the linear weights of at least this many elements, when each backward accumulates its own."""
     min_pooled_elements: int = DEFAULT_MIN_POOLED_ELEMENTS
     """Fuse the linear weights of at least this many elements, when backwards pool their weight gradients."""
-    pool: int | None = None
+    pool: int | Literal["free"] | None = None
     """How many consecutive backwards of a rank pool their weight gradients into one GEMM per weight.
 
     A pool of k > 1 keeps each fused linear's input and output gradient for up
     to k backwards: less memory traffic where weights are large, more memory
     held, about one micro-batch's activations per pooled backward. None
-    chooses, per rank, the largest pool that keeps what the rank holds within
-    what the pipeline's fullest rank holds in flight anyway
-    (:func:`stagewise.pipeline.free_pool`): all of a step's for GPipe,
-    whose forwards all come first; under 1F1B over p ranks, r + 1 on rank r,
-    so the first rank pools nothing and the others fill up to its p
-    micro-batches. A split backward (zero-bubble) pools nothing: each
-    micro-batch's W adds what its I left.
+    chooses: all of a step's where every forward of a stage runs before its
+    first backward (GPipe), since the linear inputs a pool keeps are
+    activations kept to the end anyway; otherwise 1 (nothing pooled), so 1F1B
+    keeps only its in-flight micro-batches. "free" chooses, per rank, the
+    largest pool that keeps what the rank holds within what the pipeline's
+    fullest rank holds in flight anyway (:func:`stagewise.pipeline.free_pool`):
+    the whole step for GPipe; under 1F1B over p ranks, r + 1 on rank r, so the
+    first rank pools nothing and the others fill up to its p micro-batches
+    (not the default: the planner counts only micro-batches in flight). A
+    split backward (zero-bubble) pools nothing: each micro-batch's W adds what
+    its I left.
     """
 
     def __post_init__(self) -> None:
@@ -70,14 +74,15 @@ class WeightGradientFusion:
                     f"WeightGradientFusion.{name} must be a number of elements >= 0, got {value!r}; "
                     "0 fuses every linear weight"
                 )
-        if self.pool is not None and (isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1):
+        pool = self.pool
+        if pool is not None and pool != "free" and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
             raise ValueError(
-                f"WeightGradientFusion.pool must be a number of backwards >= 1 or None, got {self.pool!r}; "
-                "1 pools nothing, None lets the schedule choose"
+                f"WeightGradientFusion.pool must be a number of backwards >= 1, 'free' or None, got {pool!r}; "
+                "1 pools nothing, None lets the schedule choose, 'free' pools what fits in the pipeline's peak"
             )
 
     @classmethod
-    def every(cls, pool: int | None = None) -> WeightGradientFusion:
+    def every(cls, pool: int | Literal["free"] | None = None) -> WeightGradientFusion:
         """Fuse every linear weight, whatever its size."""
         return cls(min_elements=0, min_pooled_elements=0, pool=pool)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 
 from stagewise.partition import layers_of
 from stagewise.pipeline import FusedWeightGradients, ScheduleName, WeightGradientFusion, build
-from stagewise.pipeline.actions import Action, Kind, free_pool
+from stagewise.pipeline.actions import Action, Kind, forwards_first, free_pool
 from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.microbatch import split
@@ -130,6 +131,12 @@ def test_a_store_defers_weight_gradients_to_one_gemm_per_weight() -> None:
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
 
 
+def test_only_schedules_whose_forwards_come_first_defer() -> None:
+    assert forwards_first(build("gpipe", 2, 4).ranks[1])
+    assert not forwards_first(build("1f1b", 2, 4).ranks[1])
+    assert forwards_first(build("1f1b", 2, 1).ranks[0])  # one micro-batch: F then B
+
+
 def _held(actions: Sequence[Action], pool: int | None) -> int:
     """The most (stage, micro-batch) pairs held at once, forwarded and not yet backward, or pooled and not flushed."""
     in_flight: set[tuple[int, int]] = set()
@@ -160,7 +167,7 @@ def _held(actions: Sequence[Action], pool: int | None) -> int:
         ("interleaved-1f1b", 6, 2, 6, [1, 3, 5]),
     ],
 )
-def test_the_default_pool_is_the_largest_within_the_pipelines_peak(
+def test_the_free_pool_is_the_largest_within_the_pipelines_peak(
     name: ScheduleName, n_stages: int, n_virtual: int, m: int, pools: list[int | None]
 ) -> None:
     schedule = build(name, n_stages, m, n_virtual=n_virtual)
@@ -193,13 +200,15 @@ class _LocalTransport:
         ("1f1b", None, []),  # nothing pooled: 1F1B keeps only its in-flight micro-batches
         ("1f1b", 2, [1, 1, 0]),  # after backwards 2 and 4, and the (empty) end of the step
         ("1f1b", 3, [1, 1]),
+        ("1f1b", "free", []),  # one stage: it holds one micro-batch in flight, so nothing fits beside it
+        ("gpipe", "free", [1]),
         ("gpipe", 1, []),
         ("zero-bubble", None, [1, 1, 1, 1]),  # each micro-batch's W computes what its I left
         ("zero-bubble", 2, [1, 1, 1, 1]),  # a split backward pools nothing
     ],
 )
 def test_backwards_pool_their_weight_gradients_as_configured(
-    schedule: str, pool: int | None, flushes: list[int], monkeypatch: pytest.MonkeyPatch
+    schedule: str, pool: int | Literal["free"] | None, flushes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``flushes``: 1 for each flush of pending gradients for every linear weight, 0 for one with none pending."""
     seen: list[int] = []

@@ -207,7 +207,8 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
             chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse,
             fuse_weight_gradients=0,  # type: ignore[arg-type]
         )  # fmt: skip
-    for field, bad in (("min_elements", True), ("min_pooled_elements", -1), ("pool", 0), ("pool", 1.5)):
+    bad_values = (("min_elements", True), ("min_pooled_elements", -1), ("pool", 0), ("pool", 1.5), ("pool", "all"))
+    for field, bad in bad_values:
         with pytest.raises(ValueError, match=rf"WeightGradientFusion.{field} must be a number of .* got {bad!r}"):
             WeightGradientFusion(**{field: bad})
     assert len(layers_of(chain.build())) == 2

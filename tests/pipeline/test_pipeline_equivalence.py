@@ -84,7 +84,7 @@ def cases(draw: st.DrawFn, n_ranks: int) -> Case:
     batch = draw(st.integers(m, 3 * m + 2))
     if batch % m == 0 and batch > m:
         batch += 1  # sizes not divisible by m, where possible
-    fusion = draw(st.sampled_from([None, None, 1, 2, 3]).map(WeightGradientFusion.every))
+    fusion = draw(st.sampled_from([None, None, 1, 2, 3, "free"]).map(WeightGradientFusion.every))
     return Case(chain, (0, *cuts, n), schedule, v, m, batch, fusion=draw(st.sampled_from([None, fusion])))
 
 
