@@ -179,6 +179,12 @@ VARIANTS: dict[str, WeightGradientFusion | None] = {
 each backward, zero-bubble's W each micro-batch's), 1F1B pooling what fits in stage 0's peak (stage 1 pools 2) and
 every 2 backwards on both stages, and autograd's."""
 
+
+def _schedule_of(variant: str) -> str:
+    """The schedule a variant runs: its name without the accumulation it uses."""
+    return variant.removesuffix(UNFUSED).removesuffix(POOLED).removesuffix(FREE)
+
+
 SINGLES: dict[str, int | None] = {
     "single_microbatched": 0,
     "single_microbatched_fused": 1,
@@ -216,7 +222,7 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> 
         half = (0, n_layers // 2, n_layers)
         pipes = {}
         for name, fusion in VARIANTS.items():
-            schedule = name.removesuffix(UNFUSED).removesuffix(POOLED)
+            schedule = _schedule_of(name)
             pipes[name] = Pipeline(
                 model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,  # type: ignore[arg-type]
                 loss_fn=F.mse_loss, mesh=mesh, timeout=600, fuse_weight_gradients=fusion,
@@ -282,9 +288,7 @@ def main() -> None:
                 "stage0_peak_saved_mib": round(r0["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
                 "stage1_peak_saved_mib": round(r1["stage_peak_saved_bytes"][f"stagewise_{variant}"] / 2**20, 2),  # type: ignore[index]
             }
-            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(
-                variant.removesuffix(UNFUSED).removesuffix(POOLED).removesuffix(FREE)
-            )
+            torch_name = {"gpipe": "torch_gpipe", "1f1b": "torch_1f1b"}.get(_schedule_of(variant))
             if torch_name:
                 row["torch_step_ms"] = round(both[torch_name] * 1e3, 2)
                 row["torch_efficiency"] = round(ref / (p * both[torch_name]), 3)
