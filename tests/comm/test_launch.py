@@ -52,12 +52,13 @@ def rank_one_is_killed() -> None:
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 def test_a_killed_rank_is_named_first_and_the_peer_that_failed_on_it_after(start_method: StartMethod) -> None:
-    # Rank 0 fails within milliseconds of rank 1's death; it lingers so that the agent notices rank 1 first.
+    # Rank 0 fails within milliseconds of rank 1's death; it lingers so that the agent notices rank 1 first. If it
+    # has raised by the time the agent stops it, it is listed after rank 1, without an exit code.
     with pytest.raises(LaunchError) as info:
         run_ranks(rank_one_is_killed, 2, start_method=start_method)
-    assert [(f.rank, f.exitcode) for f in info.value.failures] == [(1, -signal.SIGKILL), (0, None)]
+    first, *then = [(f.rank, f.exitcode) for f in info.value.failures]
+    assert first == (1, -signal.SIGKILL) and then in ([], [(0, None)]), info.value.failures
     assert str(info.value).startswith("rank 1 failed (exit code -9): Signal 9 (SIGKILL) received by PID")
-    assert "\nrank 0 also failed: " in str(info.value)
 
 
 def test_a_failing_rank_surfaces_its_traceback() -> None:

@@ -234,9 +234,10 @@ def test_a_killed_peer_makes_the_survivor_fail_not_hang(tmp_path: Path) -> None:
     report = tmp_path / "survivor.txt"
     with pytest.raises(LaunchError) as info:
         run_ranks(peer_dies, 2, str(report), monitor_interval=5.0, timeout=90)
-    first, then = info.value.failures
+    first, *then = info.value.failures
     assert (first.rank, first.exitcode) == (1, -signal.SIGKILL)  # rank 0 lingers until the agent notices rank 1
-    assert then.rank == 0 and then.message.startswith("PeerGoneError: rank 0 lost rank 1")
+    # Rank 0 is listed after it if it had raised by the time the agent stopped it.
+    assert all(f.rank == 0 and f.message.startswith("PeerGoneError: rank 0 lost rank 1") for f in then), then
     survivor = report.read_text()
     assert survivor.startswith("rank 0 lost rank 1 while waiting for the gradient of micro-batch 0"), survivor
     seconds = float(survivor.rsplit("[after ", 1)[1].split(" s]")[0])
