@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -128,13 +129,11 @@ class Executor:
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
         self.fusion = fusion
         """Run training forwards under :class:`FusedWeightGradients`; None: never."""
-        self._free_pool: list[int | None] = []
 
+    @functools.cached_property
     def free_pool(self) -> int | None:
-        """The pool this rank's backwards take by default (:func:`free_pool`), worked out once."""
-        if not self._free_pool:
-            self._free_pool.append(free_pool(self.schedule, self.position))
-        return self._free_pool[0]
+        """The pool of this rank's backwards under ``pool="free"`` (:func:`free_pool`), worked out once."""
+        return free_pool(self.schedule, self.position)
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -207,7 +206,7 @@ class _Run:
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
         fusion = executor.fusion if training else None
-        self.pool = _pool(fusion, actions, executor.free_pool)
+        self.pool = _pool(fusion, actions, lambda: executor.free_pool)
         """Flush the pooled weight gradients after every this many backwards; None: at the end of the step."""
         self.store = WeightGradientStore() if fusion is not None and self.pool != 1 else None
         """Fused weight gradients pooled until a flush."""

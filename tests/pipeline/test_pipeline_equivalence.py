@@ -129,6 +129,8 @@ def test_every_schedule_on_a_fixed_case() -> None:
         Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11),
         Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11, fusion=None),
         Case(chain, (0, 5, 6, 8), "1f1b", 1, 5, 12, fusion=WeightGradientFusion.every(pool=2)),
+        Case(chain, (0, 2, 5, 8), "1f1b", 1, 6, 13, fusion=WeightGradientFusion.every(pool="free")),  # pools 1, 2, 3
+        Case(chain, (0, 1, 2, 3, 5, 6, 8), "interleaved-1f1b", 2, 6, 14, fusion=WeightGradientFusion.every("free")),
         Case(chain, (0, 1, 6, 8), "zero-bubble", 1, 7, 9),
         Case(chain, (0, 1, 2, 3, 5, 6, 8), "interleaved-1f1b", 2, 6, 14),
         Case(chain, (0, 4, 6, 8), "zero-bubble", 1, 1, 3),
