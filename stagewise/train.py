@@ -113,8 +113,12 @@ class TrainConfig:
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         pool = self.weight_gradient_pool
-        if pool not in (None, "free") and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
-            raise ValueError(f"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got {pool!r}")
+        try:
+            WeightGradientFusion(pool=pool)  # the one place that knows which pools are valid
+        except ValueError as err:
+            raise ValueError(
+                f"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got {pool!r}"
+            ) from err
         if pool is not None and not self.weight_gradient_fusion:
             raise ValueError(
                 f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "
