@@ -12,7 +12,7 @@ from typing import Any
 
 from stagewise.cluster import Cluster, Device
 from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, balance
-from stagewise.pipeline import ScheduleName, StageCosts, build, peak_in_flight, simulate
+from stagewise.pipeline import ScheduleName, StageCosts, build, peak_held, peak_in_flight, simulate
 from stagewise.pipeline.simulate import SimulationResult
 from stagewise.workload import Workload
 
@@ -111,6 +111,7 @@ def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, inpu
                 output_bytes=int(c.output_bytes * factor),
                 saved_bytes=int(saved),
                 time=None if c.time is None else c.time * factor,
+                pooled_bytes=int(c.pooled_bytes * factor),
             )
         )
         previous = c.output_bytes * factor
@@ -180,6 +181,8 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
             fixed=tuple(c.param_bytes * workload.state_multiplier + c.buffer_bytes for c in costs),
             activation=tuple(float(c.saved_bytes) for c in costs),
             in_flight=peak_in_flight(schedule),
+            pooled=tuple(float(c.pooled_bytes) for c in costs),
+            held=peak_held(schedule, checkpointing=ckpt),  # Pipeline's default weight-gradient pool
         ),
         capacities=[devices[schedule.rank_of(s)].memory / v - transient for s in range(n_stages)],
         transient=transient,
@@ -230,9 +233,10 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
             k = len(holders)
             ties += cluster.link_latency + 2 * (k - 1) / k * size / cluster.link_bandwidth
     step = result.step_time + allreduce + optimizer + ties
-    peak_acts = result.peak_activation_bytes or ()
-    acts = [sum(peak_acts[s] for s in sched.stages_of(r)) + setting.transient for r in range(pp)]
-    fixed = [sum(setting.memory.fixed[i] for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
+    memory = setting.memory  # held for backward: micro-batches in flight, and pooled weight gradients
+    fixed = [sum(memory.fixed[i] for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
+    held = [sum(memory.stage_bytes(s, b[s], b[s + 1]) for s in sched.stages_of(r)) for r in range(pp)]
+    acts = [h - f + setting.transient for h, f in zip(held, fixed, strict=True)]
     return dataclasses.replace(
         option,
         partition=part,

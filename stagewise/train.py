@@ -74,10 +74,11 @@ class TrainConfig:
     weight_gradient_fusion: bool = True
     """Accumulate large linear weights' gradients inside the backward (:class:`WeightGradientFusion`); False leaves
     every weight gradient to autograd."""
-    weight_gradient_pool: int | Literal["free"] | None = None
+    weight_gradient_pool: int | Literal["free"] | None = "free"
     """Backwards of a rank whose weight gradients are pooled into one GEMM per weight (more memory held, less memory
-    traffic); "free": as many as fit in the pipeline's peak in flight; None lets the schedule choose: a whole step
-    for GPipe, none for the others (see :attr:`WeightGradientFusion.pool`)."""
+    traffic); "free": as many as fit in the pipeline's peak in flight (a whole step for GPipe); None: only within
+    each stage's own micro-batches in flight (a whole step for GPipe, none for the others; see
+    :attr:`WeightGradientFusion.pool`)."""
     seed: int = 0
     """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
     data: str | None = None
@@ -119,7 +120,7 @@ class TrainConfig:
             raise ValueError(
                 f"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got {pool!r}"
             ) from err
-        if pool is not None and not self.weight_gradient_fusion:
+        if isinstance(pool, int) and not self.weight_gradient_fusion:
             raise ValueError(
                 f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "
                 "turn fusion on or leave the pool out"

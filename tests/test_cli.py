@@ -140,7 +140,7 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
     def config(*argv: str) -> TrainConfig:
         return config_of(parser().parse_args(["train", *argv]))
 
-    assert (config().weight_gradient_fusion, config().weight_gradient_pool) == (True, None)
+    assert (config().weight_gradient_fusion, config().weight_gradient_pool) == (True, "free")
     assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
     assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
     assert config("--no-weight-grad-fusion").weight_gradient_fusion is False

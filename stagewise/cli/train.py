@@ -48,10 +48,10 @@ def add(commands: Any) -> None:
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument(
-        "--weight-grad-pool", dest="weight_gradient_pool", type=args.pool, default=None, metavar="K",
-        help="pool K backwards' weight gradients into one GEMM per weight, or 'free': as many as fit in the "
-        "pipeline's peak of micro-batches in flight (default: a whole step for gpipe, none otherwise; "
-        "zero-bubble never pools)",
+        "--weight-grad-pool", dest="weight_gradient_pool", type=args.pool, default="free", metavar="K",
+        help="pool K backwards' weight gradients into one GEMM per weight, or 'free' (the default): as many as "
+        "fit in the pipeline's peak of micro-batches in flight (a whole step for gpipe, r + 1 on rank r for 1f1b; "
+        "zero-bubble and activation checkpointing never pool)",
     )  # fmt: skip
     p.add_argument(
         "--no-weight-grad-fusion", dest="weight_gradient_fusion", action="store_false",

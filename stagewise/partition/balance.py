@@ -68,8 +68,7 @@ def _memory_cost(model: MemoryModel) -> RangeCost:
     return RangeCost.of_layers(
         np.asarray(model.fixed, dtype=np.float64),
         model.n_stages,
-        y=np.asarray(model.activation, dtype=np.float64),
-        scale=np.asarray(model.in_flight, dtype=np.float64),
+        terms=[(np.asarray(y, dtype=np.float64), np.asarray(n, dtype=np.float64)) for y, n in model.terms()],
     )
 
 
@@ -222,7 +221,8 @@ def _check_model(field: str, model: MemoryModel, n_layers: int, n_stages: int) -
             f"{field} has in-flight counts for {model.n_stages} stages but n_stages is {n_stages}; "
             "build it with the same stage count"
         )
-    for name, values in (("fixed", model.fixed), ("activation", model.activation)):
-        _vector(f"{field}.{name}", values, length=n_layers)
+    for name, values in (("fixed", model.fixed), ("activation", model.activation), ("pooled", model.pooled)):
+        if values or name != "pooled":
+            _vector(f"{field}.{name}", values, length=n_layers)
     if not all(math.isfinite(q) for q in model.in_flight):
         raise ValueError(f"{field}.in_flight must be finite, got {list(model.in_flight)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +18,18 @@ _Interval = tuple[int, int]
 
 
 @dataclass(frozen=True)
+class Term:
+    """A per-layer quantity that a stage counts ``scale[stage]`` times (activation bytes per micro-batch, say)."""
+
+    prefix: FloatArray
+    """Prefix sums of the per-layer values (length ``n_layers + 1``)."""
+    scale: FloatArray
+    """Per-stage multiplier."""
+
+
+@dataclass(frozen=True)
 class RangeCost:
-    """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + scale[j] * sum y) / divisor[j]``.
+    """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + sum over terms of scale[j] * sum y) / divisor[j]``.
 
     Sums come from prefix arrays, so every cost is computed by one fixed formula;
     the solver's comparisons and the reported loads therefore agree to the bit.
@@ -26,10 +37,8 @@ class RangeCost:
 
     x_prefix: FloatArray
     """Prefix sums of the per-layer ``x`` (length ``n_layers + 1``)."""
-    y_prefix: FloatArray | None
-    """Prefix sums of the per-layer ``y``, or None when the cost has no ``y`` term."""
-    scale: FloatArray
-    """Per-stage multiplier of ``y`` (ignored when ``y_prefix`` is None)."""
+    terms: tuple[Term, ...]
+    """Per-layer quantities scaled per stage; empty for a plain weighted sum."""
     divisor: FloatArray
     """Per-stage divisor (a stage's speed, or 1)."""
 
@@ -38,46 +47,49 @@ class RangeCost:
         x: FloatArray,
         n_stages: int,
         *,
-        y: FloatArray | None = None,
-        scale: FloatArray | None = None,
+        terms: Sequence[tuple[FloatArray, FloatArray]] = (),
         divisor: FloatArray | None = None,
     ) -> RangeCost:
-        """Build from per-layer values; ``scale`` and ``divisor`` default to ones."""
-        x_prefix = np.concatenate(([0.0], np.cumsum(x, dtype=np.float64)))
-        y_prefix = None if y is None else np.concatenate(([0.0], np.cumsum(y, dtype=np.float64)))
-        ones = np.ones(n_stages, dtype=np.float64)
+        """Build from per-layer ``x`` and ``(y, scale)`` pairs of per-layer values and per-stage multipliers."""
+
+        def prefix(values: FloatArray) -> FloatArray:
+            return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
+
         return RangeCost(
-            x_prefix=x_prefix,
-            y_prefix=y_prefix,
-            scale=ones if scale is None else np.asarray(scale, dtype=np.float64),
-            divisor=ones if divisor is None else np.asarray(divisor, dtype=np.float64),
+            x_prefix=prefix(x),
+            terms=tuple(Term(prefix(y), np.asarray(scale, dtype=np.float64)) for y, scale in terms),
+            divisor=np.ones(n_stages, dtype=np.float64) if divisor is None else np.asarray(divisor, dtype=np.float64),
         )
 
     @property
     def n_layers(self) -> int:
         return len(self.x_prefix) - 1
 
+    @property
+    def plain(self) -> bool:
+        """Whether the cost is a weighted sum of ``x`` alone, which prefix-sum searches can invert."""
+        return not self.terms
+
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
         total = self.x_prefix[stop] - self.x_prefix[start]
-        if self.y_prefix is not None:
-            total = total + self.scale[stage] * (self.y_prefix[stop] - self.y_prefix[start])
+        for term in self.terms:
+            total = total + term.scale[stage] * (term.prefix[stop] - term.prefix[start])
         return float(total / self.divisor[stage])
 
     def singles(self, stage: int, start: int = 0, stop: int | None = None) -> FloatArray:
         """Cost of each layer of ``start:stop`` alone on ``stage``, by the same formula as :meth:`of`."""
         stop = self.n_layers if stop is None else stop
         total = self.x_prefix[start + 1 : stop + 1] - self.x_prefix[start:stop]
-        if self.y_prefix is not None:
-            y = self.y_prefix[start + 1 : stop + 1] - self.y_prefix[start:stop]
-            total = total + self.scale[stage] * y
+        for term in self.terms:
+            total = total + term.scale[stage] * (term.prefix[start + 1 : stop + 1] - term.prefix[start:stop])
         out: FloatArray = total / self.divisor[stage]
         return out
 
     def reach(self, stage: int, start: int, limit: float) -> int:
         """The largest ``stop`` in ``[start, n]`` with ``of(stage, start, stop) <= limit``."""
         n = self.n_layers
-        if self.y_prefix is None:
+        if self.plain:
             if math.isinf(limit):
                 return n
             target = self.x_prefix[start] + limit * self.divisor[stage]
@@ -100,7 +112,7 @@ class RangeCost:
 
     def first_start(self, stage: int, stop: int, limit: float) -> int:
         """The smallest ``start`` in ``[0, stop]`` with ``of(stage, start, stop) <= limit``."""
-        if self.y_prefix is None:
+        if self.plain:
             if math.isinf(limit):
                 return 0
             target = self.x_prefix[stop] - limit * self.divisor[stage]
@@ -156,7 +168,7 @@ class _Prober:
         obj = problem.objective
         # Worst single layer per stage: when it fits, the stage has no blockers
         # and the probe needs no per-layer scan.
-        if obj.y_prefix is None:
+        if obj.plain:
             # Division is monotone, so max(x) / d is exactly the largest x_i / d.
             widest = float(np.max(np.diff(obj.x_prefix))) if n else 0.0
             self.max_single = [float(np.float64(widest) / d) for d in obj.divisor]
@@ -269,7 +281,7 @@ def _from_bits(bits: int) -> float:
 def lower_bound(problem: SplitProblem) -> float:
     """A value no split can beat: 0, or for a plain weighted objective the usual averaging bounds."""
     obj = problem.objective
-    if obj.y_prefix is not None or problem.n_layers == 0:
+    if not obj.plain or problem.n_layers == 0:
         return 0.0
     total = float(obj.x_prefix[-1])
     heaviest = float(np.max(np.diff(obj.x_prefix)))

@@ -1,7 +1,7 @@
 """Pipeline schedules as validated data, their simulator and pictures, the Pipeline that runs them, and its data."""
 
 from stagewise.pipeline import schedules
-from stagewise.pipeline.actions import Action, Kind, Schedule, free_pool
+from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.data import Batch, StageLoader
 from stagewise.pipeline.engine import Event, ScheduleError
@@ -11,6 +11,7 @@ from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.microbatch import LossReduction
 from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
+from stagewise.pipeline.pooling import free_pool, peak_held, rank_pool
 from stagewise.pipeline.render import render, to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.simulate import SimulationResult, StageCosts, simulate
@@ -45,7 +46,9 @@ __all__ = [
     "clip_grad_norm_",
     "free_pool",
     "materialise_model",
+    "peak_held",
     "peak_in_flight",
+    "rank_pool",
     "render",
     "schedules",
     "simulate",

@@ -169,36 +169,3 @@ def forwards_first(actions: Sequence[Action]) -> bool:
         elif action.kind is Kind.F and action.stage in first_backward:
             return False
     return True
-
-
-def _peak_held(actions: Sequence[Action], pool: int) -> int:
-    """The most micro-batches ``actions`` hold at once, in flight or pooled, when every ``pool`` backwards flush."""
-    in_flight = pooled = peak = backwards = 0
-    for action in actions:
-        if action.kind is Kind.F:
-            in_flight += 1
-            peak = max(peak, in_flight + pooled)
-        elif action.kind.is_backward:
-            in_flight, pooled, backwards = in_flight - 1, pooled + 1, backwards + 1
-            if backwards % pool == 0:
-                pooled = 0
-    return peak
-
-
-def free_pool(schedule: Schedule, rank: int) -> int | None:
-    """How many consecutive backwards of ``rank`` can pool their weight gradients without raising the pipeline's peak.
-
-    A pooled backward keeps the inputs and output gradients of its linear
-    layers until the pool is flushed: about what its forward kept for it, so
-    it counts as a micro-batch still in flight. The pool is the largest
-    that keeps this rank's micro-batches in flight and pooled within the most
-    that any rank holds in flight, (stage, micro-batch) pairs counted alike.
-    None: all of the step's (GPipe, whose forwards all come first); 1: none.
-    For 1F1B over p ranks, rank r may pool r + 1.
-    """
-    limit = max(_peak_held(actions, 1) for actions in schedule.ranks)
-    mine = schedule.ranks[rank]
-    backwards = sum(action.kind.is_backward for action in mine)
-    fits = [k for k in range(1, backwards + 1) if _peak_held(mine, k) <= limit]
-    best = max(fits, default=1)
-    return None if best == backwards > 1 else best

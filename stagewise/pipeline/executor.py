@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 from stagewise.comm import Payload, Receiving, Transport, as_tensors
-from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first, free_pool
+from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event
 from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
 from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
+from stagewise.pipeline.pooling import rank_pool
 from stagewise.pipeline.stage import StageError, StageModule, failure
 from stagewise.pipeline.trace import Span
 from stagewise.pipeline.uses import WeightUse
@@ -25,21 +26,6 @@ ACTIVATIONS, GRADIENTS = 0, 1
 
 LossFn = Callable[[Payload, Payload], torch.Tensor]
 """``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
-
-
-def _pool(fusion: WeightGradientFusion | None, actions: Sequence[Action], free: Callable[[], int | None]) -> int | None:
-    """How many backwards pool their weight gradients (None: all of the step's); 1 when nothing is pooled.
-
-    Not with a split backward: there each micro-batch's W computes its own.
-    ``free`` gives the largest pool within the pipeline's peak (:func:`free_pool`).
-    """
-    if fusion is None or any(action.kind is Kind.W for action in actions):
-        return 1
-    if fusion.pool == "free":
-        return free()
-    if fusion.pool is not None:
-        return fusion.pool
-    return None if forwards_first(actions) else 1
 
 
 @dataclass
@@ -98,7 +84,7 @@ class Executor:
     computed as one GEMM per weight every ``pool`` backwards of the rank, or
     at the end of the step where every forward of a stage precedes its
     backwards (GPipe), or as many as keep the rank within the pipeline's peak
-    in flight (:func:`free_pool`; see :attr:`WeightGradientFusion.pool`).
+    in flight (:func:`stagewise.pipeline.free_pool`; see :attr:`WeightGradientFusion.pool`).
     """
 
     def __init__(
@@ -131,9 +117,10 @@ class Executor:
         """Run training forwards under :class:`FusedWeightGradients`; None: never."""
 
     @functools.cached_property
-    def free_pool(self) -> int | None:
-        """The pool of this rank's backwards under ``pool="free"`` (:func:`free_pool`), worked out once."""
-        return free_pool(self.schedule, self.position)
+    def pool(self) -> int | None:
+        """How many of this rank's backwards pool their weight gradients in training (:func:`rank_pool`)."""
+        checkpointing = any(stage.checkpointing for stage in self.stages.values())
+        return rank_pool(self.fusion, self.schedule, self.position, checkpointing=checkpointing)
 
     def _source(self, action: Action) -> tuple[int, int] | None:
         """(position, stream) that ``action`` receives from, or None when its input is local."""
@@ -206,7 +193,7 @@ class _Run:
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
         fusion = executor.fusion if training else None
-        self.pool = _pool(fusion, actions, lambda: executor.free_pool)
+        self.pool = executor.pool if fusion is not None else 1
         """Flush the pooled weight gradients after every this many backwards; None: at the end of the step."""
         self.store = WeightGradientStore() if fusion is not None and self.pool != 1 else None
         """Fused weight gradients pooled until a flush."""

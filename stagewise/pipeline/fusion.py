@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.overrides import TorchFunctionMode
 
+from stagewise.partition.profile import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
+
 DEFAULT_MIN_ELEMENTS = 1 << 20
 """Weights smaller than this (4 MiB in fp32) are left to autograd when each backward accumulates its own.
 
@@ -19,16 +21,6 @@ than the Python overhead of the fused backward. Measured on a 2-core CPU,
 one process, 8 micro-batches of 8 rows through residual-MLP blocks: fusing
 every weight took 0.72-0.80x autograd's step time with 4M-element weights,
 1.09-1.23x with 262k-element ones.
-"""
-
-DEFAULT_MIN_POOLED_ELEMENTS = 1 << 18
-"""Weights smaller than this are left to autograd when backwards pool their weight gradients.
-
-A pooled weight gradient is one GEMM over several micro-batches, which pays
-off for smaller weights than the per-micro-batch fused GEMM does. Same
-measurement as :data:`DEFAULT_MIN_ELEMENTS`, pooling all 8 micro-batches:
-0.77-0.82x autograd's step time with 262k-element weights (d = 256), but
-1.14-1.20x with 4k- to 65k-element ones (d = 32 to 128).
 """
 
 
@@ -47,23 +39,24 @@ class WeightGradientFusion:
     """Fuse the linear weights of at least this many elements, when each backward accumulates its own."""
     min_pooled_elements: int = DEFAULT_MIN_POOLED_ELEMENTS
     """Fuse the linear weights of at least this many elements, when backwards pool their weight gradients."""
-    pool: int | Literal["free"] | None = None
+    pool: int | Literal["free"] | None = "free"
     """How many consecutive backwards of a rank pool their weight gradients into one GEMM per weight.
 
     A pool of k > 1 keeps each fused linear's input and output gradient for up
     to k backwards: less memory traffic where weights are large, more memory
-    held, about one micro-batch's activations per pooled backward. None
-    chooses: all of a step's where every forward of a stage runs before its
-    first backward (GPipe), since the linear inputs a pool keeps are
-    activations kept to the end anyway; otherwise 1 (nothing pooled), so 1F1B
-    keeps only its in-flight micro-batches. "free" chooses, per rank, the
-    largest pool that keeps what the rank holds within what the pipeline's
-    fullest rank holds in flight anyway (:func:`stagewise.pipeline.free_pool`):
-    the whole step for GPipe; under 1F1B over p ranks, r + 1 on rank r, so the
-    first rank pools nothing and the others fill up to its p micro-batches
-    (not the default: the planner counts only micro-batches in flight). A
-    split backward (zero-bubble) pools nothing: each micro-batch's W adds what
-    its I left.
+    held, about one micro-batch's activations per pooled backward. "free"
+    (the default) chooses, per rank, the largest pool that keeps what the rank
+    holds within what the pipeline's fullest rank holds in flight anyway
+    (:func:`stagewise.pipeline.free_pool`): the whole step for GPipe; under
+    1F1B over p ranks, r + 1 on rank r, so the first rank pools nothing and
+    the others fill up to its p micro-batches. The planner and
+    ``stagewise.partition.memory_model`` count this (``MemoryModel.held``);
+    with activation checkpointing "free" pools nothing, since a pooled
+    backward would keep more than the checkpointed forward did. None keeps
+    each stage within its own micro-batches in flight: all of a step's where
+    every forward of a stage runs before its first backward (GPipe),
+    otherwise 1 (nothing pooled). A split backward (zero-bubble) pools
+    nothing: each micro-batch's W adds what its I left.
     """
 
     def __post_init__(self) -> None:
@@ -89,10 +82,6 @@ class WeightGradientFusion:
     def threshold(self, *, pooled: bool) -> int:
         """The smallest weight to fuse, with or without pooling."""
         return self.min_pooled_elements if pooled else self.min_elements
-
-
-_LINEAR: frozenset[object] = frozenset({F.linear, torch.ops.aten.linear.default})
-"""The linear ops this fuses: ``F.linear`` (what ``nn.Linear`` calls) and the ATen op traced graphs call."""
 
 
 def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -269,7 +258,7 @@ class FusedWeightGradients(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _LINEAR and torch.is_grad_enabled():
+        if func in LINEAR_OPS and torch.is_grad_enabled():
             x, weight, bias = _linear_arguments(args, kwargs)
             if (
                 id(weight) in self.ids

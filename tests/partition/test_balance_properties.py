@@ -20,6 +20,16 @@ def splits(n: int, k: int) -> list[tuple[int, ...]]:
     return [(0, *cuts, n) for cuts in itertools.combinations(range(1, n), k - 1)]
 
 
+def need(memory: MemoryModel, stage: int, start: int, stop: int) -> float:
+    """The documented bytes of layers ``start:stop`` as ``stage``, written out layer by layer."""
+    total = 0.0
+    for i in range(start, stop):
+        a, pooled = memory.activation[i], memory.pooled[i] if memory.pooled else 0.0
+        held = memory.held[stage] if memory.held else 0
+        total += memory.fixed[i] + (held * max(a, pooled) if held and pooled > 0 else memory.in_flight[stage] * a)
+    return total
+
+
 def brute(
     weights: list[float],
     k: int,
@@ -34,7 +44,7 @@ def brute(
         if (
             memory is not None
             and capacities is not None
-            and any(memory.stage_bytes(j, b[j], b[j + 1]) > capacities[j] for j in range(k))
+            and any(need(memory, j, b[j], b[j + 1]) > capacities[j] for j in range(k))
         ):
             continue
         worst = max(sum(weights[b[j] : b[j + 1]]) / speeds[j] for j in range(k))
@@ -55,10 +65,13 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
     )
     memory = capacities = None
     if with_capacities:
+        pooling = draw(st.booleans())  # some layers keep pooled weight gradients on stages that pool
         memory = MemoryModel(
             fixed=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
             activation=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
             in_flight=tuple(draw(st.lists(st.integers(0, 4), min_size=k, max_size=k))),
+            pooled=tuple(draw(st.lists(small_int, min_size=n, max_size=n))) if pooling else (),
+            held=tuple(draw(st.lists(st.integers(0, 5), min_size=k, max_size=k))) if pooling else (),
         )
         capacities = draw(st.lists(st.integers(1, 150).map(float), min_size=k, max_size=k))
     return {"weights": weights, "k": k, "speeds": speeds, "memory": memory, "capacities": capacities}
@@ -82,7 +95,9 @@ def check_against_brute(p: dict[str, object]) -> None:
     assert b[0] == 0 and b[-1] == len(weights) and len(b) == k + 1
     assert all(b[j] < b[j + 1] for j in range(k))
     if memory is not None and capacities is not None:
-        assert all(memory.stage_bytes(j, b[j], b[j + 1]) <= capacities[j] for j in range(k))
+        assert all(need(memory, j, b[j], b[j + 1]) <= capacities[j] for j in range(k))
+        assert part.memory == tuple(need(memory, j, b[j], b[j + 1]) for j in range(k))
+        assert all(memory.stage_bytes(j, b[j], b[j + 1]) == need(memory, j, b[j], b[j + 1]) for j in range(k))
     # The documented tie-break: backwards from the last stage, each starts as early as it can.
     assert b == min(winners, key=lambda w: tuple(reversed(w)))
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from stagewise.partition import LayerCost, MemoryModel, in_flight, memory_model
+from stagewise.partition import LayerCost, MemoryModel, held, in_flight, memory_model
+from stagewise.pipeline import WeightGradientFusion, build, peak_held
 
 
-def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int) -> LayerCost:
+def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0) -> LayerCost:
     return LayerCost(
         name=name,
         params=param_bytes // 4,
@@ -18,6 +19,7 @@ def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int) -> LayerCos
         output_bytes=0,
         saved_bytes=saved,
         time=None,
+        pooled_bytes=pooled,
     )
 
 
@@ -54,7 +56,30 @@ def test_memory_model_counts_state_buffers_and_activations() -> None:
 def test_memory_model_bad_input() -> None:
     with pytest.raises(ValueError, match=r"state_multiplier must be >= 0, got -1"):
         memory_model([cost("a", 4, 0, 0)], 1, state_multiplier=-1.0)
-    with pytest.raises(ValueError, match=r"2 fixed sizes but 1 activation sizes"):
+    with pytest.raises(ValueError, match=r"2 fixed sizes, 1 activation sizes and 0 pooled sizes"):
         MemoryModel((1.0, 2.0), (1.0,), (1,))
     with pytest.raises(ValueError, match=r"in_flight must be >= 0"):
         MemoryModel((1.0,), (1.0,), (-1,))
+    with pytest.raises(ValueError, match=r"held counts for 1"):
+        MemoryModel((1.0,), (1.0,), (1, 1), (1.0,), (2,))
+    with pytest.raises(ValueError, match=r"held must be >= 0"):
+        MemoryModel((1.0,), (1.0,), (1,), (1.0,), (-2,))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
+def test_held_is_what_the_pipeline_holds(schedule: str) -> None:
+    """The closed form equals the counts worked out from the schedule's actions under Pipeline's default pool."""
+    for p in range(1, 6):
+        for m in range(1, 11):
+            assert held(schedule, p, m) == peak_held(build(schedule, p, m), WeightGradientFusion()), (p, m)  # type: ignore[arg-type]
+
+
+def test_pooling_stages_count_held_micro_batches_of_the_larger_of_activations_and_pool() -> None:
+    # b keeps pooled gradients (its linears are large), c does not: c counts only its micro-batches in flight.
+    costs = [cost("a", 0, 0, 100, 60), cost("b", 0, 0, 50, 80), cost("c", 0, 0, 30, 0)]
+    model = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0)
+    assert (model.in_flight, model.held) == ((2, 1), (0, 2))
+    assert model.stage_bytes(0, 0, 3) == 2 * (100 + 50 + 30)  # stage 0 pools nothing
+    assert model.stage_bytes(1, 0, 3) == 2 * 100 + 2 * 80 + 1 * 30
+    plain = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0, pooled=False)
+    assert plain.stage_bytes(1, 0, 3) == 180

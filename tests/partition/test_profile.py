@@ -33,6 +33,36 @@ def test_linear_flops_params_and_bytes() -> None:
     assert linear.time is None
 
 
+class TiedPair(nn.Module):
+    """A linear layer, then a functional linear through its weight transposed: two reads of one weight."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 2 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        out: torch.Tensor = torch.nn.functional.linear(h, self.proj.weight.t())
+        return out
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_pooled_bytes_are_the_inputs_and_outputs_of_large_linears(device: str) -> None:
+    batch, d = 4, 16
+    model = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), TiedPair(d)).to(device)
+    sample = torch.randn(batch, d, device=device)
+    # 4d x d = 1024 elements: the two linears of the MLP reach the threshold, the tied pair's weight (512) does not.
+    up, gelu, down, tied = profile(model, sample, pooled_min_elements=1024)
+    assert up.pooled_bytes == 4 * batch * (d + 4 * d)
+    assert down.pooled_bytes == 4 * batch * (4 * d + d)
+    assert (gelu.pooled_bytes, tied.pooled_bytes) == (0, 0)
+    # With every weight pooled, the tied pair counts its first read only: the second reads a view of the weight,
+    # which fusion leaves to autograd.
+    everything = profile(model, sample, pooled_min_elements=0)
+    assert everything[3].pooled_bytes == 4 * batch * (d + 2 * d)
+    assert [c.pooled_bytes for c in profile(model, sample)] == [0, 0, 0, 0]  # the default threshold: 2^18 elements
+
+
 def test_meta_and_real_give_the_same_counts() -> None:
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     ids = torch.randint(0, 64, (2, 16))

@@ -12,8 +12,8 @@ from chains import Chain
 from torch import nn
 
 from stagewise.partition import layers_of
-from stagewise.pipeline import FusedWeightGradients, ScheduleName, WeightGradientFusion, build
-from stagewise.pipeline.actions import Action, Kind, forwards_first, free_pool
+from stagewise.pipeline import FusedWeightGradients, ScheduleName, WeightGradientFusion, build, free_pool, peak_held
+from stagewise.pipeline.actions import Action, Kind, forwards_first
 from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.microbatch import split
@@ -137,8 +137,11 @@ def test_only_schedules_whose_forwards_come_first_defer() -> None:
     assert forwards_first(build("1f1b", 2, 1).ranks[0])  # one micro-batch: F then B
 
 
-def _held(actions: Sequence[Action], pool: int | None) -> int:
-    """The most (stage, micro-batch) pairs held at once, forwarded and not yet backward, or pooled and not flushed."""
+def _held(actions: Sequence[Action], pool: int | None, stage: int | None = None) -> int:
+    """The most (stage, micro-batch) pairs held at once, forwarded and not yet backward, or pooled and not flushed.
+
+    ``stage``: count only that stage's pairs (the pool still fills with every stage's backwards).
+    """
     in_flight: set[tuple[int, int]] = set()
     pooled: set[tuple[int, int]] = set()
     peak = 0
@@ -151,7 +154,7 @@ def _held(actions: Sequence[Action], pool: int | None) -> int:
             pooled.add(pair)
             if pool is not None and len(pooled) == pool:
                 pooled.clear()
-        peak = max(peak, len(in_flight | pooled))
+        peak = max(peak, len({p for p in in_flight | pooled if stage is None or p[0] == stage}))
     return peak
 
 
@@ -179,6 +182,24 @@ def test_the_free_pool_is_the_largest_within_the_pipelines_peak(
         backwards = sum(a.kind.is_backward for a in mine)
         bigger = range((pool or backwards) + 1, backwards + 1)
         assert all(_held(mine, k) > limit for k in bigger), (rank, pool)
+    # What each stage then holds, as the planner's memory model counts it: 0 where its rank pools nothing.
+    expected = [0] * schedule.n_stages
+    for rank, pool in enumerate(pools):
+        for stage in schedule.stages_of(rank):
+            expected[stage] = 0 if pool == 1 else _held(schedule.ranks[rank], pool, stage)
+    assert peak_held(schedule) == peak_held(schedule, WeightGradientFusion(pool="free")) == tuple(expected)
+    assert peak_held(schedule, checkpointing=True) == (0,) * schedule.n_stages  # "free" pools nothing then
+
+
+def test_peak_held_follows_the_chosen_pool() -> None:
+    schedule = build("1f1b", 2, 8)
+    assert peak_held(schedule, WeightGradientFusion(pool=None)) == (0, 0)  # nothing pooled under 1F1B
+    assert peak_held(schedule, WeightGradientFusion(pool=3)) == (
+        _held(schedule.ranks[0], 3),
+        _held(schedule.ranks[1], 3),
+    )
+    assert peak_held(build("gpipe", 2, 4), WeightGradientFusion(pool=None)) == (4, 4)
+    assert peak_held(build("zero-bubble", 2, 4), WeightGradientFusion(pool=2)) == (0, 0)  # W computes its own
 
 
 class _LocalTransport:

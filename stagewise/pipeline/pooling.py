@@ -1,0 +1,95 @@
+"""How many backwards each rank pools its weight gradients over, and how many micro-batches that makes it hold."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first
+from stagewise.pipeline.fusion import WeightGradientFusion
+
+
+def _peak_held(actions: Sequence[Action], pool: int | None, stage: int | None = None) -> int:
+    """The most micro-batches ``actions`` hold at once, in flight or pooled, when every ``pool`` backwards flush.
+
+    ``pool`` None flushes only at the end; ``stage`` counts that stage's
+    micro-batches alone (the backwards of every stage on the rank still fill
+    the pool).
+    """
+    in_flight = pooled = peak = backwards = 0
+    for action in actions:
+        mine = stage is None or action.stage == stage
+        if action.kind is Kind.F and mine:
+            in_flight += 1
+            peak = max(peak, in_flight + pooled)
+        elif action.kind.is_backward:
+            backwards += 1
+            if mine:
+                in_flight, pooled = in_flight - 1, pooled + 1
+            if pool is not None and backwards % pool == 0:
+                pooled = 0
+    return peak
+
+
+def free_pool(schedule: Schedule, rank: int) -> int | None:
+    """How many consecutive backwards of ``rank`` can pool their weight gradients without raising the pipeline's peak.
+
+    A pooled backward keeps the inputs and output gradients of its linear
+    layers until the pool is flushed: about what its forward kept for it, so
+    it counts as a micro-batch still in flight. The pool is the largest
+    that keeps this rank's micro-batches in flight and pooled within the most
+    that any rank holds in flight, (stage, micro-batch) pairs counted alike.
+    None: all of the step's (GPipe, whose forwards all come first); 1: none.
+    For 1F1B over p ranks, rank r may pool r + 1.
+    """
+    limit = max(_peak_held(actions, 1) for actions in schedule.ranks)
+    mine = schedule.ranks[rank]
+    backwards = sum(action.kind.is_backward for action in mine)
+    fits = [k for k in range(1, backwards + 1) if _peak_held(mine, k) <= limit]
+    best = max(fits, default=1)
+    return None if best == backwards > 1 else best
+
+
+def rank_pool(
+    fusion: WeightGradientFusion | None,
+    schedule: Schedule,
+    rank: int,
+    actions: Sequence[Action] | None = None,
+    *,
+    checkpointing: bool = False,
+) -> int | None:
+    """How many backwards of ``rank`` pool their weight gradients under ``fusion`` (None: the whole step); 1: none.
+
+    ``actions`` are what the rank runs (its share of ``schedule`` by default).
+    Nothing pools with a split backward, where each micro-batch's W computes
+    its own, nor under ``pool="free"`` with activation checkpointing, where a
+    pooled backward would keep more than its forward did.
+    """
+    actions = schedule.ranks[rank] if actions is None else actions
+    if fusion is None or any(action.kind is Kind.W for action in actions):
+        return 1
+    if fusion.pool == "free":
+        return 1 if checkpointing else free_pool(schedule, rank)
+    if fusion.pool is not None:
+        return fusion.pool
+    return None if forwards_first(actions) else 1
+
+
+def peak_held(
+    schedule: Schedule, fusion: WeightGradientFusion | None = None, *, checkpointing: bool = False
+) -> tuple[int, ...]:
+    """Per stage: the most micro-batches held at once for backward, in flight or pooled; 0 where its rank pools nothing.
+
+    ``fusion`` is the weight-gradient accumulation of ``Pipeline``
+    (``WeightGradientFusion()`` when None, its default). This is what
+    ``MemoryModel.held`` counts; ``stagewise.partition.held`` is its closed
+    form for GPipe, 1F1B and zero-bubble.
+    """
+    fusion = WeightGradientFusion() if fusion is None else fusion
+    held = [0] * schedule.n_stages
+    for rank, actions in enumerate(schedule.ranks):
+        pool = rank_pool(fusion, schedule, rank, checkpointing=checkpointing)
+        if pool == 1:
+            continue
+        for stage in {action.stage for action in actions}:
+            held[stage] = _peak_held(actions, pool, stage)
+    return tuple(held)
