@@ -8,9 +8,10 @@ batch B, m micro-batches, one thread per process), in one run:
   fused weight-gradient accumulation, and with it pooled into one GEMM per
   weight every 2 micro-batches and over the whole step (as stagewise's GPipe
   does);
-- stagewise.Pipeline with gpipe and 1f1b (fused accumulation, the default,
-  and autograd's), 1f1b pooling what fits in the pipeline's peak in flight
-  (``pool="free"``) and every 2 backwards, and zero-bubble (fused);
+- stagewise.Pipeline with gpipe and 1f1b (the default fusion, which pools
+  what fits in the pipeline's peak in flight, ``pool="free"``; and autograd's
+  accumulation), 1f1b fusing each backward without pooling (``pool=1``) and
+  pooling every 2 backwards, and zero-bubble (fused);
 - torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B on the same two stages;
 - both ranks computing their own stage's forwards and backwards (autograd's
   accumulation) at the same time, with no transfers: on a machine whose
@@ -165,24 +166,24 @@ def _torch_step(sched: Any, mine: nn.Module, rank: int, x: torch.Tensor, y: torc
 
 UNFUSED = " (autograd accumulation)"
 POOLED = ", pool 2"
-FREE = ", free pool"
+UNPOOLED = ", no pool"
 VARIANTS: dict[str, WeightGradientFusion | None] = {
     "gpipe": WeightGradientFusion(),
     "1f1b": WeightGradientFusion(),
-    f"1f1b{FREE}": WeightGradientFusion(pool="free"),
+    f"1f1b{UNPOOLED}": WeightGradientFusion(pool=1),
     f"1f1b{POOLED}": WeightGradientFusion(pool=2),
     "zero-bubble": WeightGradientFusion(),
     f"gpipe{UNFUSED}": None,
     f"1f1b{UNFUSED}": None,
 }
-"""stagewise's variants and their weight-gradient accumulation: the default (GPipe pools the whole step, 1F1B fuses
-each backward, zero-bubble's W each micro-batch's), 1F1B pooling what fits in stage 0's peak (stage 1 pools 2) and
-every 2 backwards on both stages, and autograd's."""
+"""stagewise's variants and their weight-gradient accumulation: the default (``pool="free"``: GPipe pools the whole
+step, 1F1B on stage 1 pools 2 backwards, what fits in stage 0's peak, zero-bubble's W adds each micro-batch's), 1F1B
+fusing each backward with no pool and pooling every 2 backwards on both stages, and autograd's."""
 
 
 def _schedule_of(variant: str) -> str:
     """The schedule a variant runs: its name without the accumulation it uses."""
-    return variant.removesuffix(UNFUSED).removesuffix(POOLED).removesuffix(FREE)
+    return variant.removesuffix(UNFUSED).removesuffix(POOLED).removesuffix(UNPOOLED)
 
 
 SINGLES: dict[str, int | None] = {
@@ -195,7 +196,7 @@ SINGLES: dict[str, int | None] = {
 SAME_COMPUTE = {
     "gpipe": "single_microbatched_pooled",
     "1f1b": "single_microbatched_fused",
-    f"1f1b{FREE}": "single_microbatched_fused",
+    f"1f1b{UNPOOLED}": "single_microbatched_fused",
     f"1f1b{POOLED}": "single_microbatched_pooled_2",
     "zero-bubble": "single_microbatched_fused",
 }

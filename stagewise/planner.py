@@ -12,7 +12,7 @@ from typing import Any
 
 from stagewise.cluster import Cluster, Device
 from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, balance
-from stagewise.pipeline import ScheduleName, StageCosts, build, peak_held, peak_in_flight, simulate
+from stagewise.pipeline import ScheduleName, StageCosts, build, holdings, peak_in_flight, simulate
 from stagewise.pipeline.simulate import SimulationResult
 from stagewise.workload import Workload
 
@@ -182,7 +182,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
             activation=tuple(float(c.saved_bytes) for c in costs),
             in_flight=peak_in_flight(schedule),
             pooled=tuple(float(c.pooled_bytes) for c in costs),
-            held=peak_held(schedule, checkpointing=ckpt),  # Pipeline's default weight-gradient pool
+            holdings=holdings(schedule, checkpointing=ckpt),  # with Pipeline's default weight-gradient pool
         ),
         capacities=[devices[schedule.rank_of(s)].memory / v - transient for s in range(n_stages)],
         transient=transient,

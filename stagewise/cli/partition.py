@@ -9,6 +9,7 @@ from typing import Any, get_args
 from stagewise.cli import args
 from stagewise.models import PRESETS
 from stagewise.partition import By, MemorySchedule, balance_costs, profile
+from stagewise.pipeline import build, holdings
 from stagewise.units import format_bytes
 
 
@@ -48,6 +49,7 @@ def run(ns: argparse.Namespace) -> int:
         schedule=ns.schedule,
         n_microbatches=ns.microbatches,
         state_multiplier=ns.state_multiplier,
+        holdings=holdings(build(ns.schedule, ns.stages, ns.microbatches)),  # Pipeline's default weight-gradient pool
     )
     total = sum(p.numel() for p in model.parameters())  # a tied parameter once
     shape = "x".join(str(d) for d in sample.shape)

@@ -11,7 +11,7 @@ from stagewise.partition.layers import (
     layers_of,
     shared_parameters,
 )
-from stagewise.partition.memory import MemoryModel, MemorySchedule, held, in_flight, memory_model
+from stagewise.partition.memory import Holding, MemoryModel, MemorySchedule, in_flight, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
 from stagewise.partition.split import Partition
 from stagewise.partition.traced import Segment, TracedChain, repeated_blocks, trace
@@ -21,6 +21,7 @@ __all__ = [
     "LAYERS_METHOD",
     "By",
     "CapacityError",
+    "Holding",
     "Layer",
     "LayerCost",
     "MemoryModel",
@@ -34,7 +35,6 @@ __all__ = [
     "auto",
     "balance",
     "balance_costs",
-    "held",
     "in_flight",
     "layers_of",
     "memory_model",

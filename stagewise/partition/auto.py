@@ -11,7 +11,7 @@ from torch import nn
 
 from stagewise.partition.balance import Weights, balance
 from stagewise.partition.layers import Layer
-from stagewise.partition.memory import MemorySchedule, memory_model
+from stagewise.partition.memory import Holding, MemorySchedule, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
 from stagewise.partition.split import Partition
 
@@ -29,19 +29,27 @@ def balance_costs(
     schedule: MemorySchedule = "1f1b",
     n_microbatches: int = 1,
     state_multiplier: float = 4.0,
+    holdings: Sequence[Sequence[Holding]] | None = None,
 ) -> Partition:
     """Balance profiled layers by ``by``, within ``capacities`` under ``schedule``'s memory.
 
     The memory of each stage follows :func:`memory_model`: parameter state
     (``state_multiplier`` copies of the weights) plus buffers, plus saved
-    activations times the micro-batches in flight on that stage.
+    activations times the micro-batches in flight on that stage, plus the
+    pooled weight gradients of ``holdings``
+    (``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default).
     """
     if by not in get_args(By):
         raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
     if not costs:
         raise ValueError("there are no layer costs to balance")
     memory = memory_model(
-        costs, n_stages, schedule=schedule, n_microbatches=n_microbatches, state_multiplier=state_multiplier
+        costs,
+        n_stages,
+        schedule=schedule,
+        n_microbatches=n_microbatches,
+        state_multiplier=state_multiplier,
+        holdings=holdings,
     )
     if by == "time":
         missing = [c.name for c in costs if c.time is None]
@@ -80,6 +88,7 @@ def auto(
     n_microbatches: int = 1,
     state_multiplier: float = 4.0,
     device: torch.device | str | None = None,
+    holdings: Sequence[Sequence[Holding]] | None = None,
 ) -> Partition:
     """Profile ``model`` on one micro-batch ``sample`` and return the optimal partition.
 
@@ -98,4 +107,5 @@ def auto(
         schedule=schedule,
         n_microbatches=n_microbatches,
         state_multiplier=state_multiplier,
+        holdings=holdings,
     )

@@ -65,10 +65,19 @@ def _stage_label(stage: int, lo: int, hi: int, names: Sequence[str] | None) -> s
 
 
 def _memory_cost(model: MemoryModel) -> RangeCost:
+    """The model as a range cost: activations and pooled bytes, counted by each stage's fullest moment."""
+    pooling = bool(model.pooled)
+    moments = [model.moments(s) for s in range(model.n_stages)]
+    forms = np.zeros((model.n_stages, max(len(m) for m in moments), 2 if pooling else 1))
+    for s, stage in enumerate(moments):
+        for f, h in enumerate(stage):
+            forms[s, f] = (h.in_flight, h.pooled) if pooling else (h.in_flight,)
     return RangeCost.of_layers(
         np.asarray(model.fixed, dtype=np.float64),
         model.n_stages,
-        terms=[(np.asarray(y, dtype=np.float64), np.asarray(n, dtype=np.float64)) for y, n in model.terms()],
+        y=[np.asarray(model.activation, dtype=np.float64)]
+        + ([np.asarray(model.pooled, dtype=np.float64)] if pooling else []),
+        forms=forms,
     )
 
 

@@ -18,27 +18,23 @@ _Interval = tuple[int, int]
 
 
 @dataclass(frozen=True)
-class Term:
-    """A per-layer quantity that a stage counts ``scale[stage]`` times (activation bytes per micro-batch, say)."""
-
-    prefix: FloatArray
-    """Prefix sums of the per-layer values (length ``n_layers + 1``)."""
-    scale: FloatArray
-    """Per-stage multiplier."""
-
-
-@dataclass(frozen=True)
 class RangeCost:
-    """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + sum over terms of scale[j] * sum y) / divisor[j]``.
+    """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + held) / divisor[j]``.
 
-    Sums come from prefix arrays, so every cost is computed by one fixed formula;
-    the solver's comparisons and the reported loads therefore agree to the bit.
+    ``held`` is the largest, over the stage's forms ``f``, of
+    ``sum over t of forms[j, f, t] * sum y_t``: per-layer quantities ``y_t``
+    (activation bytes per micro-batch, say) counted as many times as each
+    moment of the stage holds them, the worst moment counting. Sums come from
+    prefix arrays, so every cost is computed by one fixed formula; the
+    solver's comparisons and the reported loads therefore agree to the bit.
     """
 
     x_prefix: FloatArray
     """Prefix sums of the per-layer ``x`` (length ``n_layers + 1``)."""
-    terms: tuple[Term, ...]
-    """Per-layer quantities scaled per stage; empty for a plain weighted sum."""
+    y_prefix: FloatArray | None
+    """Prefix sums of each per-layer ``y_t``, shape ``(terms, n_layers + 1)``; None for a plain weighted sum."""
+    forms: FloatArray | None
+    """Multipliers of the ``y_t``, shape ``(n_stages, forms, terms)``; None with ``y_prefix``."""
     divisor: FloatArray
     """Per-stage divisor (a stage's speed, or 1)."""
 
@@ -47,17 +43,21 @@ class RangeCost:
         x: FloatArray,
         n_stages: int,
         *,
-        terms: Sequence[tuple[FloatArray, FloatArray]] = (),
+        y: Sequence[FloatArray] = (),
+        forms: FloatArray | None = None,
         divisor: FloatArray | None = None,
     ) -> RangeCost:
-        """Build from per-layer ``x`` and ``(y, scale)`` pairs of per-layer values and per-stage multipliers."""
+        """Build from per-layer ``x`` and ``y_t``, and per-stage ``forms`` (``(n_stages, forms, len(y))``)."""
 
         def prefix(values: FloatArray) -> FloatArray:
             return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
 
+        if bool(y) != (forms is not None):
+            raise ValueError("give per-layer terms y and their per-stage forms together, or neither")
         return RangeCost(
             x_prefix=prefix(x),
-            terms=tuple(Term(prefix(y), np.asarray(scale, dtype=np.float64)) for y, scale in terms),
+            y_prefix=np.stack([prefix(v) for v in y]) if y else None,
+            forms=None if forms is None else np.asarray(forms, dtype=np.float64),
             divisor=np.ones(n_stages, dtype=np.float64) if divisor is None else np.asarray(divisor, dtype=np.float64),
         )
 
@@ -68,21 +68,33 @@ class RangeCost:
     @property
     def plain(self) -> bool:
         """Whether the cost is a weighted sum of ``x`` alone, which prefix-sum searches can invert."""
-        return not self.terms
+        return self.y_prefix is None
+
+    def _held(self, stage: int, sums: FloatArray) -> FloatArray:
+        """The largest form of ``stage`` over ``sums`` (``(terms, ranges)``), per range; one formula for all callers."""
+        assert self.forms is not None
+        forms = self.forms[stage]
+        held = forms[:, 0, None] * sums[0][None, :]
+        for t in range(1, sums.shape[0]):
+            held = held + forms[:, t, None] * sums[t][None, :]
+        out: FloatArray = held.max(axis=0)
+        return out
 
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
         total = self.x_prefix[stop] - self.x_prefix[start]
-        for term in self.terms:
-            total = total + term.scale[stage] * (term.prefix[stop] - term.prefix[start])
+        if self.y_prefix is not None:
+            total = (
+                total + self._held(stage, self.y_prefix[:, stop : stop + 1] - self.y_prefix[:, start : start + 1])[0]
+            )
         return float(total / self.divisor[stage])
 
     def singles(self, stage: int, start: int = 0, stop: int | None = None) -> FloatArray:
         """Cost of each layer of ``start:stop`` alone on ``stage``, by the same formula as :meth:`of`."""
         stop = self.n_layers if stop is None else stop
         total = self.x_prefix[start + 1 : stop + 1] - self.x_prefix[start:stop]
-        for term in self.terms:
-            total = total + term.scale[stage] * (term.prefix[start + 1 : stop + 1] - term.prefix[start:stop])
+        if self.y_prefix is not None:
+            total = total + self._held(stage, self.y_prefix[:, start + 1 : stop + 1] - self.y_prefix[:, start:stop])
         out: FloatArray = total / self.divisor[stage]
         return out
 

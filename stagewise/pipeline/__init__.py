@@ -11,7 +11,7 @@ from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.microbatch import LossReduction
 from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
-from stagewise.pipeline.pooling import free_pool, peak_held, rank_pool
+from stagewise.pipeline.pooling import free_pool, holdings, rank_pool
 from stagewise.pipeline.render import render, to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.simulate import SimulationResult, StageCosts, simulate
@@ -45,8 +45,8 @@ __all__ = [
     "build",
     "clip_grad_norm_",
     "free_pool",
+    "holdings",
     "materialise_model",
-    "peak_held",
     "peak_in_flight",
     "rank_pool",
     "render",

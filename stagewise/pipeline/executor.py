@@ -386,7 +386,7 @@ class _Run:
         self._done(slot)
 
     def _done(self, slot: _Slot) -> None:
-        if self.store is not None:  # pooled weight gradients may read received tensors until the flush
+        if self.store:  # weight gradients waiting in the pool may read received tensors until the flush
             self.held.extend(slot.received)
             return
         for payload in slot.received:

@@ -50,7 +50,7 @@ class WeightGradientFusion:
     (:func:`stagewise.pipeline.free_pool`): the whole step for GPipe; under
     1F1B over p ranks, r + 1 on rank r, so the first rank pools nothing and
     the others fill up to its p micro-batches. The planner and
-    ``stagewise.partition.memory_model`` count this (``MemoryModel.held``);
+    ``stagewise.partition.memory_model`` count this (``stagewise.pipeline.holdings``);
     with activation checkpointing "free" pools nothing, since a pooled
     backward would keep more than the checkpointed forward did. None keeps
     each stage within its own micro-batches in flight: all of a step's where
@@ -75,8 +75,8 @@ class WeightGradientFusion:
             )
 
     @classmethod
-    def every(cls, pool: int | Literal["free"] | None = None) -> WeightGradientFusion:
-        """Fuse every linear weight, whatever its size."""
+    def every(cls, pool: int | Literal["free"] | None = "free") -> WeightGradientFusion:
+        """Fuse every linear weight, whatever its size, pooling as ``pool`` says (the default's by default)."""
         return cls(min_elements=0, min_pooled_elements=0, pool=pool)
 
     def threshold(self, *, pooled: bool) -> int:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from stagewise.partition import Holding
 from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first
 from stagewise.pipeline.fusion import WeightGradientFusion
+from stagewise.pipeline.validate import peak_in_flight
 
 
 def _peak_held(actions: Sequence[Action], pool: int | None, stage: int | None = None) -> int:
@@ -74,22 +76,41 @@ def rank_pool(
     return None if forwards_first(actions) else 1
 
 
-def peak_held(
+def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[Holding, ...]:
+    """The moments of ``stage`` that no other moment of it exceeds in both micro-batches in flight and pooled."""
+    in_flight = pooled = backwards = 0
+    seen = set()
+    for action in actions:
+        mine = action.stage == stage
+        if action.kind is Kind.F and mine:
+            in_flight += 1
+        elif action.kind.is_backward:
+            backwards += 1
+            if mine:
+                in_flight, pooled = in_flight - 1, pooled + 1
+        else:
+            continue
+        seen.add((in_flight, pooled))  # a full pool is held while its flush computes
+        if action.kind.is_backward and pool is not None and backwards % pool == 0:
+            pooled = 0
+    top = [(a, b) for a, b in seen if not any(x >= a and y >= b and (x, y) != (a, b) for x, y in seen)]
+    return tuple(Holding(a, b) for a, b in sorted(top))
+
+
+def holdings(
     schedule: Schedule, fusion: WeightGradientFusion | None = None, *, checkpointing: bool = False
-) -> tuple[int, ...]:
-    """Per stage: the most micro-batches held at once for backward, in flight or pooled; 0 where its rank pools nothing.
+) -> tuple[tuple[Holding, ...], ...]:
+    """Per stage: the moments that can be its fullest, in micro-batches in flight and pooled (``MemoryModel.holdings``).
 
     ``fusion`` is the weight-gradient accumulation of ``Pipeline``
-    (``WeightGradientFusion()`` when None, its default). This is what
-    ``MemoryModel.held`` counts; ``stagewise.partition.held`` is its closed
-    form for GPipe, 1F1B and zero-bubble.
+    (``WeightGradientFusion()``, its default, when None); where a rank pools
+    nothing each of its stages has one moment, its peak in flight.
     """
     fusion = WeightGradientFusion() if fusion is None else fusion
-    held = [0] * schedule.n_stages
+    peaks = peak_in_flight(schedule)
+    out: list[tuple[Holding, ...]] = [()] * schedule.n_stages
     for rank, actions in enumerate(schedule.ranks):
         pool = rank_pool(fusion, schedule, rank, checkpointing=checkpointing)
-        if pool == 1:
-            continue
-        for stage in {action.stage for action in actions}:
-            held[stage] = _peak_held(actions, pool, stage)
-    return tuple(held)
+        for stage in schedule.stages_of(rank):
+            out[stage] = (Holding(peaks[stage]),) if pool == 1 else _moments(actions, pool, stage)
+    return tuple(out)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from stagewise.partition import CapacityError, MemoryModel, balance
+from stagewise.partition import CapacityError, Holding, MemoryModel, balance
 
 # Integer-valued weights and memory make every sum exact in float64, so the
 # brute force and the solver agree to the bit, ties included.
@@ -21,13 +21,13 @@ def splits(n: int, k: int) -> list[tuple[int, ...]]:
 
 
 def need(memory: MemoryModel, stage: int, start: int, stop: int) -> float:
-    """The documented bytes of layers ``start:stop`` as ``stage``, written out layer by layer."""
-    total = 0.0
-    for i in range(start, stop):
-        a, pooled = memory.activation[i], memory.pooled[i] if memory.pooled else 0.0
-        held = memory.held[stage] if memory.held else 0
-        total += memory.fixed[i] + (held * max(a, pooled) if held and pooled > 0 else memory.in_flight[stage] * a)
-    return total
+    """The documented bytes of layers ``start:stop`` as ``stage``: fixed, plus its fullest moment."""
+    moments = memory.holdings[stage] if memory.holdings else (Holding(memory.in_flight[stage]),)
+    pooled = memory.pooled or (0.0,) * memory.n_layers
+    fullest = max(
+        sum(h.in_flight * memory.activation[i] + h.pooled * pooled[i] for i in range(start, stop)) for h in moments
+    )
+    return sum(memory.fixed[start:stop]) + fullest
 
 
 def brute(
@@ -65,13 +65,14 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
     )
     memory = capacities = None
     if with_capacities:
-        pooling = draw(st.booleans())  # some layers keep pooled weight gradients on stages that pool
+        pooling = draw(st.booleans())  # stages whose fullest moment may hold pooled weight gradients
+        moment = st.builds(Holding, st.integers(0, 4), st.integers(0, 4))
         memory = MemoryModel(
             fixed=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
             activation=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
             in_flight=tuple(draw(st.lists(st.integers(0, 4), min_size=k, max_size=k))),
             pooled=tuple(draw(st.lists(small_int, min_size=n, max_size=n))) if pooling else (),
-            held=tuple(draw(st.lists(st.integers(0, 5), min_size=k, max_size=k))) if pooling else (),
+            holdings=tuple(tuple(draw(st.lists(moment, min_size=1, max_size=3))) for _ in range(k)) if pooling else (),
         )
         capacities = draw(st.lists(st.integers(1, 150).map(float), min_size=k, max_size=k))
     return {"weights": weights, "k": k, "speeds": speeds, "memory": memory, "capacities": capacities}

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stagewise.partition import LayerCost, MemoryModel, held, in_flight, memory_model
-from stagewise.pipeline import WeightGradientFusion, build, peak_held
+from stagewise.partition import Holding, LayerCost, MemoryModel, in_flight, memory_model
 
 
 def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0) -> LayerCost:
@@ -60,26 +59,21 @@ def test_memory_model_bad_input() -> None:
         MemoryModel((1.0, 2.0), (1.0,), (1,))
     with pytest.raises(ValueError, match=r"in_flight must be >= 0"):
         MemoryModel((1.0,), (1.0,), (-1,))
-    with pytest.raises(ValueError, match=r"held counts for 1"):
-        MemoryModel((1.0,), (1.0,), (1, 1), (1.0,), (2,))
-    with pytest.raises(ValueError, match=r"held must be >= 0"):
-        MemoryModel((1.0,), (1.0,), (1,), (1.0,), (-2,))
+    with pytest.raises(ValueError, match=r"holdings for 1"):
+        MemoryModel((1.0,), (1.0,), (1, 1), (1.0,), ((Holding(1),),))
+    with pytest.raises(ValueError, match=r"holdings\[0\] must be one or more moments with counts >= 0"):
+        MemoryModel((1.0,), (1.0,), (1,), (1.0,), ((Holding(1, -1),),))
+    with pytest.raises(ValueError, match=r"holdings\[0\] must be one or more moments"):
+        MemoryModel((1.0,), (1.0,), (1,), (), ((),))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble"])
-def test_held_is_what_the_pipeline_holds(schedule: str) -> None:
-    """The closed form equals the counts worked out from the schedule's actions under Pipeline's default pool."""
-    for p in range(1, 6):
-        for m in range(1, 11):
-            assert held(schedule, p, m) == peak_held(build(schedule, p, m), WeightGradientFusion()), (p, m)  # type: ignore[arg-type]
-
-
-def test_pooling_stages_count_held_micro_batches_of_the_larger_of_activations_and_pool() -> None:
-    # b keeps pooled gradients (its linears are large), c does not: c counts only its micro-batches in flight.
+def test_a_stage_needs_its_fullest_moment() -> None:
+    # Stage 1 of 1F1B on 2 ranks pooling 2 backwards: one in flight and one pooled, or two pooled at the flush.
     costs = [cost("a", 0, 0, 100, 60), cost("b", 0, 0, 50, 80), cost("c", 0, 0, 30, 0)]
-    model = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0)
-    assert (model.in_flight, model.held) == ((2, 1), (0, 2))
-    assert model.stage_bytes(0, 0, 3) == 2 * (100 + 50 + 30)  # stage 0 pools nothing
-    assert model.stage_bytes(1, 0, 3) == 2 * 100 + 2 * 80 + 1 * 30
-    plain = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0, pooled=False)
-    assert plain.stage_bytes(1, 0, 3) == 180
+    moments = ((Holding(2),), (Holding(1, 1), Holding(0, 2)))
+    model = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0, holdings=moments)
+    assert model.stage_bytes(0, 0, 3) == 2 * 180  # stage 0 pools nothing
+    assert model.stage_bytes(1, 0, 3) == max(180 + 140, 2 * 140)
+    assert model.stage_bytes(1, 1, 2) == max(50 + 80, 2 * 80)  # b alone: two pooled backwards are the fuller moment
+    plain = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0)
+    assert (plain.pooled, plain.holdings, plain.stage_bytes(1, 0, 3)) == ((), (), 180)

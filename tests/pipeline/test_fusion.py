@@ -11,8 +11,16 @@ import torch.nn.functional as F
 from chains import Chain
 from torch import nn
 
-from stagewise.partition import layers_of
-from stagewise.pipeline import FusedWeightGradients, ScheduleName, WeightGradientFusion, build, free_pool, peak_held
+from stagewise.partition import Holding, layers_of
+from stagewise.pipeline import (
+    FusedWeightGradients,
+    ScheduleName,
+    WeightGradientFusion,
+    build,
+    free_pool,
+    holdings,
+    peak_in_flight,
+)
 from stagewise.pipeline.actions import Action, Kind, forwards_first
 from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
@@ -182,24 +190,49 @@ def test_the_free_pool_is_the_largest_within_the_pipelines_peak(
         backwards = sum(a.kind.is_backward for a in mine)
         bigger = range((pool or backwards) + 1, backwards + 1)
         assert all(_held(mine, k) > limit for k in bigger), (rank, pool)
-    # What each stage then holds, as the planner's memory model counts it: 0 where its rank pools nothing.
-    expected = [0] * schedule.n_stages
+    # The moments of each stage that the planner's memory model weighs: in flight and pooled, none dominated.
+    peaks = peak_in_flight(schedule)
     for rank, pool in enumerate(pools):
         for stage in schedule.stages_of(rank):
-            expected[stage] = 0 if pool == 1 else _held(schedule.ranks[rank], pool, stage)
-    assert peak_held(schedule) == peak_held(schedule, WeightGradientFusion(pool="free")) == tuple(expected)
-    assert peak_held(schedule, checkpointing=True) == (0,) * schedule.n_stages  # "free" pools nothing then
+            want = (Holding(peaks[stage]),) if pool == 1 else _moments(schedule.ranks[rank], pool, stage)
+            assert holdings(schedule)[stage] == want, (rank, stage)
+            # The free pool's budget, counted in micro-batches, is the fullest moment's.
+            assert max(h.in_flight + h.pooled for h in want) == (
+                _held(schedule.ranks[rank], pool, stage) if pool != 1 else peaks[stage]
+            )
+    assert holdings(schedule, checkpointing=True) == tuple((Holding(q),) for q in peaks)  # "free" pools nothing
 
 
-def test_peak_held_follows_the_chosen_pool() -> None:
-    schedule = build("1f1b", 2, 8)
-    assert peak_held(schedule, WeightGradientFusion(pool=None)) == (0, 0)  # nothing pooled under 1F1B
-    assert peak_held(schedule, WeightGradientFusion(pool=3)) == (
-        _held(schedule.ranks[0], 3),
-        _held(schedule.ranks[1], 3),
+def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[Holding, ...]:
+    """Every (in flight, pooled) count of ``stage`` after an action, before a flush, without the dominated ones."""
+    in_flight: set[int] = set()
+    pooled: set[tuple[int, int]] = set()
+    seen = set()
+    for action in actions:
+        if action.kind is Kind.F:
+            if action.stage == stage:
+                in_flight.add(action.microbatch)
+        elif action.kind.is_backward:
+            if action.stage == stage:
+                in_flight.remove(action.microbatch)
+            pooled.add((action.stage, action.microbatch))
+        else:
+            continue
+        seen.add((len(in_flight), sum(s == stage for s, _ in pooled)))
+        if pool is not None and len(pooled) == pool:
+            pooled.clear()
+    return tuple(
+        Holding(a, b) for a, b in sorted(seen) if not any(x >= a and y >= b and (x, y) != (a, b) for x, y in seen)
     )
-    assert peak_held(build("gpipe", 2, 4), WeightGradientFusion(pool=None)) == (4, 4)
-    assert peak_held(build("zero-bubble", 2, 4), WeightGradientFusion(pool=2)) == (0, 0)  # W computes its own
+
+
+def test_holdings_follow_the_chosen_pool() -> None:
+    schedule = build("1f1b", 2, 8)
+    assert holdings(schedule, WeightGradientFusion(pool=None)) == ((Holding(2),), (Holding(1),))  # 1F1B pools nothing
+    assert holdings(schedule, WeightGradientFusion(pool=3)) == tuple(_moments(schedule.ranks[r], 3, r) for r in (0, 1))
+    gpipe = holdings(build("gpipe", 2, 4), WeightGradientFusion(pool=None))
+    assert gpipe == ((Holding(0, 4), Holding(1, 3), Holding(2, 2), Holding(3, 1), Holding(4, 0)),) * 2
+    assert holdings(build("zero-bubble", 2, 4), WeightGradientFusion(pool=2)) == ((Holding(2),), (Holding(1),))
 
 
 class _LocalTransport:
