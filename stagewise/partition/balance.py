@@ -67,18 +67,14 @@ def _stage_label(stage: int, lo: int, hi: int, names: Sequence[str] | None) -> s
 def _memory_cost(model: MemoryModel) -> RangeCost:
     """The model as a range cost: activations and pooled bytes, counted by each stage's fullest moment."""
     pooling = bool(model.pooled)
-    moments = [model.moments(s) for s in range(model.n_stages)]
-    forms = np.zeros((model.n_stages, max(len(m) for m in moments), 2 if pooling else 1))
-    for s, stage in enumerate(moments):
-        for f, h in enumerate(stage):
-            forms[s, f] = (h.in_flight, h.pooled) if pooling else (h.in_flight,)
-    return RangeCost.of_layers(
-        np.asarray(model.fixed, dtype=np.float64),
-        model.n_stages,
-        y=[np.asarray(model.activation, dtype=np.float64)]
-        + ([np.asarray(model.pooled, dtype=np.float64)] if pooling else []),
-        forms=forms,
-    )
+    y = [np.asarray(model.activation, dtype=np.float64)]
+    if pooling:
+        y.append(np.asarray(model.pooled, dtype=np.float64))
+    forms = [
+        [(h.in_flight, h.pooled) if pooling else (h.in_flight,) for h in model.moments(s)]
+        for s in range(model.n_stages)
+    ]
+    return RangeCost.of_layers(np.asarray(model.fixed, dtype=np.float64), model.n_stages, y=y, forms=forms)
 
 
 def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str] | None) -> CapacityError:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,12 +19,20 @@ FloatArray = npt.NDArray[np.float64]
 _Interval = tuple[int, int]
 
 
+def _weighted(form: tuple[float, ...], sums: Sequence[Any]) -> Any:
+    """``sum of form[t] * sums[t]``, in order: on scalars and arrays alike, so both round the same way."""
+    value = form[0] * sums[0]
+    for c, v in zip(form[1:], sums[1:], strict=True):
+        value = value + c * v
+    return value
+
+
 @dataclass(frozen=True)
 class RangeCost:
     """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + held) / divisor[j]``.
 
     ``held`` is the largest, over the stage's forms ``f``, of
-    ``sum over t of forms[j, f, t] * sum y_t``: per-layer quantities ``y_t``
+    ``sum over t of forms[j][f][t] * sum y_t``: per-layer quantities ``y_t``
     (activation bytes per micro-batch, say) counted as many times as each
     moment of the stage holds them, the worst moment counting. Sums come from
     prefix arrays, so every cost is computed by one fixed formula; the
@@ -31,10 +41,10 @@ class RangeCost:
 
     x_prefix: FloatArray
     """Prefix sums of the per-layer ``x`` (length ``n_layers + 1``)."""
-    y_prefix: FloatArray | None
-    """Prefix sums of each per-layer ``y_t``, shape ``(terms, n_layers + 1)``; None for a plain weighted sum."""
-    forms: FloatArray | None
-    """Multipliers of the ``y_t``, shape ``(n_stages, forms, terms)``; None with ``y_prefix``."""
+    y_prefix: tuple[FloatArray, ...]
+    """Prefix sums of each per-layer ``y_t``; empty for a plain weighted sum."""
+    forms: tuple[tuple[tuple[float, ...], ...], ...]
+    """Per stage, its forms: one multiplier per ``y_t`` each; empty with ``y_prefix``."""
     divisor: FloatArray
     """Per-stage divisor (a stage's speed, or 1)."""
 
@@ -44,20 +54,23 @@ class RangeCost:
         n_stages: int,
         *,
         y: Sequence[FloatArray] = (),
-        forms: FloatArray | None = None,
+        forms: Sequence[Sequence[Sequence[float]]] = (),
         divisor: FloatArray | None = None,
     ) -> RangeCost:
-        """Build from per-layer ``x`` and ``y_t``, and per-stage ``forms`` (``(n_stages, forms, len(y))``)."""
+        """Build from per-layer ``x`` and ``y_t``, and each stage's forms (one multiplier per ``y_t`` each)."""
 
         def prefix(values: FloatArray) -> FloatArray:
             return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
 
-        if bool(y) != (forms is not None):
-            raise ValueError("give per-layer terms y and their per-stage forms together, or neither")
+        shaped = tuple(tuple(tuple(float(c) for c in form) for form in stage) for stage in forms)
+        if y and (len(shaped) != n_stages or any(not stage for stage in shaped)):
+            raise ValueError(f"give one or more forms for each of the {n_stages} stages, got {len(shaped)} stages")
+        if any(len(form) != len(y) for stage in shaped for form in stage):
+            raise ValueError(f"every form needs one multiplier per per-layer term ({len(y)})")
         return RangeCost(
             x_prefix=prefix(x),
-            y_prefix=np.stack([prefix(v) for v in y]) if y else None,
-            forms=None if forms is None else np.asarray(forms, dtype=np.float64),
+            y_prefix=tuple(prefix(v) for v in y),
+            forms=shaped if y else (),
             divisor=np.ones(n_stages, dtype=np.float64) if divisor is None else np.asarray(divisor, dtype=np.float64),
         )
 
@@ -68,33 +81,28 @@ class RangeCost:
     @property
     def plain(self) -> bool:
         """Whether the cost is a weighted sum of ``x`` alone, which prefix-sum searches can invert."""
-        return self.y_prefix is None
-
-    def _held(self, stage: int, sums: FloatArray) -> FloatArray:
-        """The largest form of ``stage`` over ``sums`` (``(terms, ranges)``), per range; one formula for all callers."""
-        assert self.forms is not None
-        forms = self.forms[stage]
-        held = forms[:, 0, None] * sums[0][None, :]
-        for t in range(1, sums.shape[0]):
-            held = held + forms[:, t, None] * sums[t][None, :]
-        out: FloatArray = held.max(axis=0)
-        return out
+        return not self.y_prefix
 
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
         total = self.x_prefix[stop] - self.x_prefix[start]
-        if self.y_prefix is not None:
-            total = (
-                total + self._held(stage, self.y_prefix[:, stop : stop + 1] - self.y_prefix[:, start : start + 1])[0]
-            )
+        if self.y_prefix:
+            forms = self.forms[stage]
+            if len(forms) == 1 and len(self.y_prefix) == 1:  # the common case, in the solver's inner loop
+                y = self.y_prefix[0]
+                total = total + forms[0][0] * (y[stop] - y[start])
+            else:
+                sums = [y[stop] - y[start] for y in self.y_prefix]
+                total = total + max(_weighted(form, sums) for form in forms)
         return float(total / self.divisor[stage])
 
     def singles(self, stage: int, start: int = 0, stop: int | None = None) -> FloatArray:
         """Cost of each layer of ``start:stop`` alone on ``stage``, by the same formula as :meth:`of`."""
         stop = self.n_layers if stop is None else stop
         total = self.x_prefix[start + 1 : stop + 1] - self.x_prefix[start:stop]
-        if self.y_prefix is not None:
-            total = total + self._held(stage, self.y_prefix[:, start + 1 : stop + 1] - self.y_prefix[:, start:stop])
+        if self.y_prefix:
+            sums = [y[start + 1 : stop + 1] - y[start:stop] for y in self.y_prefix]
+            total = total + functools.reduce(np.maximum, (_weighted(form, sums) for form in self.forms[stage]))
         out: FloatArray = total / self.divisor[stage]
         return out
 

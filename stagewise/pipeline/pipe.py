@@ -95,7 +95,8 @@ class Pipeline:
             (:class:`stagewise.pipeline.WeightGradientFusion`): straight into ``.grad`` (one GEMM per
             micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's
             gradient-accumulation fusion does, or pooled over several backwards into one GEMM per weight
-            (by default GPipe pools a whole step; zero-bubble's W adds each micro-batch's). None leaves
+            (by default each rank pools what fits in the pipeline's peak in flight: GPipe a whole step, 1F1B
+            r + 1 backwards on rank r; zero-bubble's W adds each micro-batch's). None leaves
             accumulation to autograd. Hooks on a parameter's gradient accumulator see only the backwards not
             fused (with ``dp > 1``, each stage's last of a step, which DDP all-reduces); pass None if they
             must see every micro-batch.
