@@ -47,6 +47,8 @@ class RangeCost:
     """Per stage, its forms: one multiplier per ``y_t`` each; empty with ``y_prefix``."""
     divisor: FloatArray
     """Per-stage divisor (a stage's speed, or 1)."""
+    scale: FloatArray | None = None
+    """Each stage's one multiplier, when every stage has one form of one term (the common case); None otherwise."""
 
     @staticmethod
     def of_layers(
@@ -67,11 +69,13 @@ class RangeCost:
             raise ValueError(f"give one or more forms for each of the {n_stages} stages, got {len(shaped)} stages")
         if any(len(form) != len(y) for stage in shaped for form in stage):
             raise ValueError(f"every form needs one multiplier per per-layer term ({len(y)})")
+        simple = len(y) == 1 and all(len(stage) == 1 for stage in shaped)
         return RangeCost(
             x_prefix=prefix(x),
             y_prefix=tuple(prefix(v) for v in y),
             forms=shaped if y else (),
             divisor=np.ones(n_stages, dtype=np.float64) if divisor is None else np.asarray(divisor, dtype=np.float64),
+            scale=np.array([stage[0][0] for stage in shaped], dtype=np.float64) if simple else None,
         )
 
     @property
@@ -87,13 +91,12 @@ class RangeCost:
         """Cost of layers ``start:stop`` on ``stage``."""
         total = self.x_prefix[stop] - self.x_prefix[start]
         if self.y_prefix:
-            forms = self.forms[stage]
-            if len(forms) == 1 and len(self.y_prefix) == 1:  # the common case, in the solver's inner loop
+            if self.scale is not None:  # the common case, in the solver's inner loop
                 y = self.y_prefix[0]
-                total = total + forms[0][0] * (y[stop] - y[start])
+                total = total + self.scale[stage] * (y[stop] - y[start])
             else:
                 sums = [y[stop] - y[start] for y in self.y_prefix]
-                total = total + max(_weighted(form, sums) for form in forms)
+                total = total + max(_weighted(form, sums) for form in self.forms[stage])
         return float(total / self.divisor[stage])
 
     def singles(self, stage: int, start: int = 0, stop: int | None = None) -> FloatArray:
