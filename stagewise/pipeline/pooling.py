@@ -10,24 +10,16 @@ from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.validate import peak_in_flight
 
 
-def _peak_held(actions: Sequence[Action], pool: int | None, stage: int | None = None) -> int:
-    """The most micro-batches ``actions`` hold at once, in flight or pooled, when every ``pool`` backwards flush.
-
-    ``pool`` None flushes only at the end; ``stage`` counts that stage's
-    micro-batches alone (the backwards of every stage on the rank still fill
-    the pool).
-    """
+def _peak_held(actions: Sequence[Action], pool: int) -> int:
+    """The most micro-batches ``actions`` hold at once, in flight or pooled, when every ``pool`` backwards flush."""
     in_flight = pooled = peak = backwards = 0
     for action in actions:
-        mine = stage is None or action.stage == stage
-        if action.kind is Kind.F and mine:
+        if action.kind is Kind.F:
             in_flight += 1
             peak = max(peak, in_flight + pooled)
         elif action.kind.is_backward:
-            backwards += 1
-            if mine:
-                in_flight, pooled = in_flight - 1, pooled + 1
-            if pool is not None and backwards % pool == 0:
+            in_flight, pooled, backwards = in_flight - 1, pooled + 1, backwards + 1
+            if backwards % pool == 0:
                 pooled = 0
     return peak
 
