@@ -370,3 +370,12 @@ def test_parameter_uses_records_each_read_once_with_what_it_computed() -> None:
     ]
     assert isinstance(uses[1].output, torch.Tensor) and uses[1].output.shape == (4, 4)
     assert out.requires_grad
+
+
+@pytest.mark.parametrize(("checkpointing", "pool"), [(False, 2), (True, 1)])
+def test_the_executor_pools_what_rank_pool_chooses(checkpointing: bool, pool: int) -> None:
+    """Rank 1 of 1F1B on 2 ranks pools 2 backwards by default, none when its stage recomputes activations."""
+    chain = Chain(("linear", "gelu", "linear"), seed=3)
+    stage = StageModule(1, 1, layers_of(chain.build()), checkpointing=checkpointing, fusion=WeightGradientFusion())
+    executor = Executor(build("1f1b", 2, 6), 1, {1: stage}, _LocalTransport(), [0, 1], fusion=stage.fusion)  # type: ignore[arg-type]
+    assert executor.pool == pool
