@@ -25,7 +25,10 @@ with the same accumulation as the variant instead. Peak activation memory is
 the largest total of tensors that stage 0 holds at once for backward: saved
 by autograd, or kept for a pooled weight gradient; the same for stage 1. One JSON line per (d, variant):
 
-    python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6]
+    python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6] [--pin-cores]
+
+With ``--pin-cores`` each rank, and every thread it starts, runs on a core of its own (``launch(..., pin_cores=True)``):
+every variant runs in the same two pinned processes.
 """
 
 from __future__ import annotations
@@ -264,9 +267,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="give each rank a core of its own (launch's pin_cores), for all variants",
+    )
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
-    out = launch(worker, 2, widths, args.layers, args.batch, args.microbatches, args.steps)
+    out = launch(worker, 2, widths, args.layers, args.batch, args.microbatches, args.steps, pin_cores=args.pin_cores)
     p, m = 2, args.microbatches
     for i, d in enumerate(widths):
         r0, r1 = out[0][i], out[1][i]

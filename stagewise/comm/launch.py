@@ -211,6 +211,11 @@ class LaunchOptions(TypedDict, total=False):
     tee: bool
     """Copy each process's output to ours with a ``[rank]`` prefix (default); False lets them write to our
     terminal directly, as a progress bar needs."""
+    pin_cores: bool
+    """Give each process of :func:`launch` its own equal share of the CPUs this process may run on (Linux
+    ``sched_setaffinity``), set before ``fn`` runs so the threads it starts (gloo's among them) stay there
+    (default False: the OS places them). On a machine whose cores the ranks fill, this keeps gloo's threads
+    from waiting behind another rank's compute."""
 
 
 def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[LaunchOptions]) -> dict[int, T]:
@@ -236,9 +241,9 @@ def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[Laun
 class _Returning:
     """Calls ``fn`` in a launched process and checks that its result can travel back to the launcher.
 
-    It first sets the job's environment variables and intra-op threads: a
+    It first sets the job's environment variables and intra-op threads (a
     process forked from a fork server that imported torch before they were
-    set would not see them. The agent pickles each rank's result after
+    set would not see them) and, with ``pin_cores``, the CPUs of every thread. The agent pickles each rank's result after
     ``fn`` has returned, outside the scope that records a rank's exception,
     so an unpicklable result (a tensor attached to an autograd graph) would
     fail without its cause. A rank that fails writes its report at once, then
@@ -250,10 +255,14 @@ class _Returning:
         self.env = dict(env)
         self.threads = threads
         self.grace = grace
+        self.cores: list[frozenset[int]] = []
+        """Per local rank, the CPUs it may run on (``pin_cores``); empty: wherever the OS places it."""
         functools.update_wrapper(self, fn)  # the agent names the job after fn
 
     def __call__(self, *args: Any) -> Any:
         os.environ.update(self.env)
+        if self.cores:
+            _pin(self.cores[int(os.environ["LOCAL_RANK"])])
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
@@ -275,8 +284,33 @@ class _Returning:
         return result
 
 
+def cpu_shares(nprocs: int) -> list[frozenset[int]]:
+    """The CPUs of each of ``nprocs`` local processes under ``pin_cores``: equal, disjoint runs of ours, in order."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("pin_cores needs os.sched_setaffinity, which this platform lacks (Linux has it)")
+    mine = sorted(os.sched_getaffinity(0))
+    if nprocs > len(mine):
+        raise ValueError(
+            f"pin_cores gives each process at least one CPU, but {nprocs} processes share {len(mine)} CPUs "
+            f"({mine}); launch at most {len(mine)} or leave pin_cores out"
+        )
+    each = len(mine) // nprocs
+    return [frozenset(mine[r * each : (r + 1) * each]) for r in range(nprocs)]
+
+
+def _pin(cpus: frozenset[int]) -> None:
+    """Keep every thread of this process, and any it starts later, on ``cpus``."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
 def launch_module(module: str, argv: Sequence[str], nprocs: int, **options: Unpack[LaunchOptions]) -> None:
     """Run ``python -m module *argv`` on ``nprocs`` local processes, as :func:`launch` runs a function."""
+    if options.get("pin_cores"):
+        raise ValueError("pin_cores applies to launch(fn) only: a module's interpreter starts before it could be set")
     if options.get("start_method", "spawn") != "spawn":
         raise ValueError(
             f"launch_module starts fresh interpreters; start_method={options.get('start_method')!r} applies to "
@@ -320,6 +354,8 @@ def _run(
     host = endpoint.rsplit(":", 1)[0]
     rdzv_configs: dict[str, Any] = {} if is_host is None else {"is_host": is_host}
     children = _children(options)
+    if options.get("pin_cores") and isinstance(entrypoint, _Returning):
+        entrypoint.cores = cpu_shares(nprocs)
     if start_method == "forkserver" and isinstance(entrypoint, _Returning):
         module = entrypoint.fn.__module__
         extra = [module] if module and module != "__main__" else []

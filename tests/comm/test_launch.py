@@ -15,7 +15,7 @@ from multiproc import finish, run_ranks, start_ranks
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from stagewise.comm import LaunchError, Layout, StartMethod, free_port, launch, launch_module
-from stagewise.comm.launch import _failures
+from stagewise.comm.launch import _failures, cpu_shares
 
 
 def report_rank() -> tuple[int, int, str, str, int, str | None]:
@@ -41,6 +41,33 @@ def test_results_come_back_by_rank(start_method: StartMethod) -> None:
     env = {"STAGEWISE_TEST_VALUE": "seen"}
     results = run_ranks(report_rank, 3, start_method=start_method, threads=2, env=env)
     assert results == {rank: (rank, 3, "", "2", 2, "seen") for rank in range(3)}
+
+
+def report_cpus() -> list[frozenset[int]]:
+    """The CPUs of every thread of this rank, gloo's included, once its group is up."""
+    dist.init_process_group("gloo")
+    threads = [frozenset(os.sched_getaffinity(int(task))) for task in os.listdir("/proc/self/task")]
+    dist.destroy_process_group()
+    return threads
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_pinned_ranks_keep_every_thread_on_cpus_of_their_own(start_method: StartMethod) -> None:
+    want = cpu_shares(2)  # what the launcher works out from the same CPUs (the runner inherits ours)
+    assert not want[0] & want[1] and want[0] and want[1]
+    results = run_ranks(report_cpus, 2, start_method=start_method, pin_cores=True)
+    for rank in (0, 1):
+        assert len(results[rank]) > 1 and set(results[rank]) == {want[rank]}, results  # main thread and gloo's
+    unpinned = run_ranks(report_cpus, 2, start_method=start_method)
+    assert {cpus for rank in (0, 1) for cpus in unpinned[rank]} == {frozenset(os.sched_getaffinity(0))}
+
+
+def test_pinning_needs_a_cpu_per_process_and_a_function() -> None:
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=rf"pin_cores gives each process at least one CPU, but {too_many} processes"):
+        launch(report_cpus, too_many, pin_cores=True)
+    with pytest.raises(ValueError, match=r"pin_cores applies to launch\(fn\) only"):
+        launch_module("json.tool", [], 2, pin_cores=True)
 
 
 def rank_one_is_killed() -> None:
