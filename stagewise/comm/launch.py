@@ -243,10 +243,11 @@ class _Returning:
 
     It first sets the job's environment variables and intra-op threads (a
     process forked from a fork server that imported torch before they were
-    set would not see them) and, with ``pin_cores``, the CPUs of every thread. The agent pickles each rank's result after
-    ``fn`` has returned, outside the scope that records a rank's exception,
-    so an unpicklable result (a tensor attached to an autograd graph) would
-    fail without its cause. A rank that fails writes its report at once, then
+    set would not see them) and, with ``pin_cores``, the CPUs of every
+    thread. The agent pickles each rank's result after ``fn`` has returned,
+    outside the scope that records a rank's exception, so an unpicklable
+    result (a tensor attached to an autograd graph) would fail without its
+    cause. A rank that fails writes its report at once, then
     waits ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`).
     """
 
