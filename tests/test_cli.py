@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stagewise.cli import main, parser
+from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
 from stagewise.train import TrainConfig
@@ -132,7 +133,7 @@ def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
     for flag in ("--model", "--stages", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
                  "--lr", "--optimizer", "--bf16", "--activation-checkpointing", "--seed", "--data", "--checkpoint-dir",
                  "--checkpoint-every", "--resume", "--trace", "--weight-grad-pool",
-                 "--no-weight-grad-fusion"):  # fmt: skip
+                 "--no-weight-grad-fusion", "--pin-cores"):  # fmt: skip
         assert flag in text, flag
 
 
@@ -144,6 +145,27 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
     assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
     assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
     assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
+
+
+class LaunchedError(Exception):
+    """Raised by a stand-in for launch once it has seen its options."""
+
+
+def test_train_pins_cores_only_when_asked(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[dict[str, object]] = []
+
+    def launch(fn: object, nprocs: int, *args: object, **options: object) -> None:
+        seen.append(options)
+        raise LaunchedError
+
+    monkeypatch.setattr(cli_train, "launch", launch)
+    for argv in (["train"], ["train", "--pin-cores"]):
+        with pytest.raises(LaunchedError):
+            cli_train.run(parser().parse_args(argv))
+    assert [options["pin_cores"] for options in seen] == [False, True]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-torchrun-job")  # as torchrun sets it
+    assert main(["train", "--pin-cores"]) == 2
+    assert "--pin-cores applies when stagewise starts the processes; torchrun started these" in capsys.readouterr().err
 
 
 def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
