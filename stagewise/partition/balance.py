@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stagewise.partition.memory import MemoryModel
+from stagewise.partition.memory import Holding, MemoryModel
 from stagewise.partition.solver import FloatArray, RangeCost, SplitProblem, solve
 from stagewise.partition.split import Partition
 from stagewise.units import format_bytes
@@ -64,16 +64,37 @@ def _stage_label(stage: int, lo: int, hi: int, names: Sequence[str] | None) -> s
     return f"stage {stage} (layers {lo}:{hi}, {span})"
 
 
+def _extremes(moments: Sequence[Holding]) -> list[tuple[int, int]]:
+    """The moments that can be the fullest for some bytes per micro-batch in flight and pooled (both >= 0).
+
+    ``a * in_flight + p * pooled`` is largest at a vertex of the upper-right
+    hull of the moments, so the others (dominated, or on a segment between
+    two, as GPipe's ``(m - j, j)``) never decide a stage's bytes.
+    """
+    points = sorted({(h.in_flight, h.pooled) for h in moments}, key=lambda q: (-q[0], -q[1]))
+    front: list[tuple[int, int]] = []
+    for a, b in points:  # by in-flight count, most first: keep those with more pooled than any before
+        if not front or b > front[-1][1]:
+            front.append((a, b))
+    hull: list[tuple[int, int]] = []
+    for p in reversed(front):  # fewest in flight (most pooled) first
+        while len(hull) >= 2:
+            (oa, ob), (ma, mb) = hull[-2], hull[-1]
+            if (ma - oa) * (p[1] - ob) - (mb - ob) * (p[0] - oa) < 0:
+                break
+            hull.pop()  # on or inside the segment from hull[-2] to p
+        hull.append(p)
+    return hull
+
+
 def _memory_cost(model: MemoryModel) -> RangeCost:
     """The model as a range cost: activations and pooled bytes, counted by each stage's fullest moment."""
-    pooling = bool(model.pooled)
+    moments = [_extremes(model.moments(s)) for s in range(model.n_stages)]
+    pooling = bool(model.pooled) and any(b for stage in moments for _, b in stage)
     y = [np.asarray(model.activation, dtype=np.float64)]
     if pooling:
         y.append(np.asarray(model.pooled, dtype=np.float64))
-    forms = [
-        [(h.in_flight, h.pooled) if pooling else (h.in_flight,) for h in model.moments(s)]
-        for s in range(model.n_stages)
-    ]
+    forms = [[(a, b) if pooling else (a,) for a, b in stage] for stage in moments]
     return RangeCost.of_layers(np.asarray(model.fixed, dtype=np.float64), model.n_stages, y=y, forms=forms)
 
 

@@ -94,6 +94,10 @@ class RangeCost:
             if self.scale is not None:  # the common case, in the solver's inner loop
                 y = self.y_prefix[0]
                 total = total + self.scale[stage] * (y[stop] - y[start])
+            elif len(self.y_prefix) == 2:  # activations and pooled bytes: the same sums as _weighted, inlined
+                y, z = self.y_prefix
+                dy, dz = y[stop] - y[start], z[stop] - z[start]
+                total = total + max(a * dy + b * dz for a, b in self.forms[stage])
             else:
                 sums = [y[stop] - y[start] for y in self.y_prefix]
                 total = total + max(_weighted(form, sums) for form in self.forms[stage])
