@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from stagewise.partition import Holding
 from stagewise.pipeline.actions import Action, Kind, Schedule, forwards_first
@@ -10,14 +11,19 @@ from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.validate import peak_in_flight
 
 
-def _peak_held(actions: Sequence[Action], pool: int) -> int:
-    """The most micro-batches ``actions`` hold at once, in flight or pooled, when every ``pool`` backwards flush."""
+def _changes(actions: Sequence[Action]) -> list[int]:
+    """Per action, how it changes the micro-batches held in flight: +1 for F, -1 for B or I, 0 for W."""
+    return [1 if action.kind is Kind.F else -1 if action.kind.is_backward else 0 for action in actions]
+
+
+def _peak_held(changes: Sequence[int], pool: int) -> int:
+    """The most micro-batches a rank holds at once, in flight or pooled, when every ``pool`` backwards flush."""
     in_flight = pooled = peak = backwards = 0
-    for action in actions:
-        if action.kind is Kind.F:
+    for change in changes:
+        if change > 0:
             in_flight += 1
             peak = max(peak, in_flight + pooled)
-        elif action.kind.is_backward:
+        elif change < 0:
             in_flight, pooled, backwards = in_flight - 1, pooled + 1, backwards + 1
             if backwards % pool == 0:
                 pooled = 0
@@ -35,10 +41,19 @@ def free_pool(schedule: Schedule, rank: int) -> int | None:
     None: all of the step's (GPipe, whose forwards all come first); 1: none.
     For 1F1B over p ranks, rank r may pool r + 1.
     """
-    limit = max(_peak_held(actions, 1) for actions in schedule.ranks)
-    mine = schedule.ranks[rank]
-    backwards = sum(action.kind.is_backward for action in mine)
-    fits = [k for k in range(1, backwards + 1) if _peak_held(mine, k) <= limit]
+    return _free_pool(schedule.ranks[rank], _fullest(schedule))
+
+
+def _fullest(schedule: Schedule) -> int:
+    """The most micro-batches any rank of ``schedule`` holds in flight: what a free pool must stay within."""
+    return max(_peak_held(_changes(actions), 1) for actions in schedule.ranks)
+
+
+def _free_pool(mine: Sequence[Action], limit: int) -> int | None:
+    """:func:`free_pool` of a rank running ``mine``, within ``limit`` micro-batches."""
+    changes = _changes(mine)
+    backwards = changes.count(-1)
+    fits = [k for k in range(1, backwards + 1) if _peak_held(changes, k) <= limit]
     best = max(fits, default=1)
     return None if best == backwards > 1 else best
 
@@ -59,10 +74,17 @@ def rank_pool(
     pooled backward would keep more than its forward did.
     """
     actions = schedule.ranks[rank] if actions is None else actions
+    return _choose(fusion, actions, lambda: free_pool(schedule, rank), checkpointing)
+
+
+def _choose(
+    fusion: WeightGradientFusion | None, actions: Sequence[Action], free: Callable[[], int | None], checkpointing: bool
+) -> int | None:
+    """:func:`rank_pool`, with ``free`` working out the rank's free pool only when it is needed."""
     if fusion is None or any(action.kind is Kind.W for action in actions):
         return 1
     if fusion.pool == "free":
-        return 1 if checkpointing else free_pool(schedule, rank)
+        return 1 if checkpointing else free()
     if fusion.pool is not None:
         return fusion.pool
     return None if forwards_first(actions) else 1
@@ -85,8 +107,11 @@ def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[H
         seen.add((in_flight, pooled))  # a full pool is held while its flush computes
         if action.kind.is_backward and pool is not None and backwards % pool == 0:
             pooled = 0
-    top = [(a, b) for a, b in seen if not any(x >= a and y >= b and (x, y) != (a, b) for x, y in seen)]
-    return tuple(Holding(a, b) for a, b in sorted(top))
+    top: list[tuple[int, int]] = []
+    for a, b in sorted(seen, reverse=True):  # most in flight first: keep those with more pooled than any before
+        if not top or b > top[-1][1]:
+            top.append((a, b))
+    return tuple(Holding(a, b) for a, b in reversed(top))
 
 
 def holdings(
@@ -100,9 +125,10 @@ def holdings(
     """
     fusion = WeightGradientFusion() if fusion is None else fusion
     peaks = peak_in_flight(schedule)
+    limit = _fullest(schedule) if fusion.pool == "free" and not checkpointing else 0  # once, where it is used
     out: list[tuple[Holding, ...]] = [()] * schedule.n_stages
     for rank, actions in enumerate(schedule.ranks):
-        pool = rank_pool(fusion, schedule, rank, checkpointing=checkpointing)
+        pool = _choose(fusion, actions, functools.partial(_free_pool, actions, limit), checkpointing)
         for stage in schedule.stages_of(rank):
             out[stage] = (Holding(peaks[stage]),) if pool == 1 else _moments(actions, pool, stage)
     return tuple(out)
