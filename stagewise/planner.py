@@ -189,6 +189,15 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     )
 
 
+def _gib(need: float, have: float) -> tuple[str, str]:
+    """Both sizes in GiB, with one decimal, or as many more as it takes to tell them apart."""
+    for digits in (1, 3, 6):
+        pair = f"{need / 2**30:.{digits}f}", f"{have / 2**30:.{digits}f}"
+        if pair[0] != pair[1]:
+            break
+    return pair
+
+
 def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     """The partition, simulated step time and memory of ``option``; or why it cannot run."""
     setting = _setting(option, workload, cluster)
@@ -200,11 +209,13 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     try:
         part = balance(weights, n_stages, speeds=setting.speeds, memory=setting.memory, capacities=setting.capacities)
     except CapacityError:
-        need = balance(setting.memory, n_stages)  # the split that needs the least memory
-        worst = max(range(n_stages), key=lambda s: need.loads[s])
-        peak = need.loads[worst] + setting.transient
+        # The split that uses the least of each stage's own device, and the stage that overflows in it.
+        lean = balance(setting.memory, n_stages, speeds=setting.capacities)
+        worst = max(range(n_stages), key=lambda s: lean.times[s])
+        peak = lean.loads[worst] + setting.transient
         have = setting.capacities[worst] + setting.transient
-        reason = f"stage {worst} needs {peak / 2**30:.1f} GiB > {have / 2**30:.1f} GiB (in the leanest split)"
+        need, cap = _gib(peak, have)
+        reason = f"stage {worst} needs {need} GiB > {cap} GiB (in the leanest split)"
         return dataclasses.replace(option, rejected=reason, rank_memory=(peak * option.n_virtual,))
     b = part.bounds
     stage = [range(b[s], b[s + 1]) for s in range(n_stages)]

@@ -10,6 +10,7 @@ import pytest
 from stagewise.cli import main
 from stagewise.cluster import Cluster, Device, parse_devices
 from stagewise.models import preset
+from stagewise.partition import LayerCost
 from stagewise.planner import Option, evaluate, load_plan, plan
 from stagewise.workload import Workload, workload
 
@@ -46,6 +47,21 @@ def test_a_model_that_cannot_fit_says_how_much_memory_it_needs(seventy: Workload
     assert result.smallest_memory is not None and result.smallest_memory > 16 * GiB
     # 70e9 parameters with Adam's 16 bytes each cannot go below their share of 4 devices.
     assert result.smallest_memory >= 70e9 * 16 / 4
+
+
+def test_a_rejection_names_the_stage_that_overflows_its_own_device() -> None:
+    # Four 1 GiB layers, each saving 1 GiB per micro-batch in flight, on a 100 GiB and a 5 GiB device:
+    # the large stage 0 has room to spare, while stage 1 cannot hold even one layer's 5 GiB.
+    costs = tuple(
+        LayerCost(name=f"l{i}", params=GiB // 4, param_bytes=GiB, buffer_bytes=0, flops=10**12,
+                  forward_flops=10**12 // 3, output_bytes=1024, saved_bytes=GiB, time=None)
+        for i in range(4)
+    )  # fmt: skip
+    work = Workload(costs=costs, profiled_batch=1, global_batch=4, input_bytes=1024)
+    cluster = Cluster((Device(100 * GiB, 1e14), Device(5 * GiB, 1e14)))
+    option = evaluate(Option(2, 1, 1, 4, "1f1b", False), work, cluster)
+    assert option.rejected == "stage 1 needs 5.000001 GiB > 5.000000 GiB (in the leanest split)"
+    assert option.rank_memory == (5 * GiB + 1024,)  # stage 1 with its one layer, not stage 0 with three (12 GiB)
 
 
 def test_mixed_devices_shape_the_partition() -> None:

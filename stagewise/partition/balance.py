@@ -109,10 +109,10 @@ def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str]
         best = int(np.argmin(per_stage[:, i] - caps))
         need, cap = float(per_stage[best, i]), float(caps[best])
         return CapacityError(
-            f"{_layer_label(i, names)} alone needs {format_bytes(need)} but the largest capacity is "
-            f"{format_bytes(float(caps.max()))}; no stage can hold it. Give that device more memory, "
-            "shrink the layer, or lower its activation memory (fewer micro-batches in flight, "
-            "smaller micro-batches).",
+            f"{_layer_label(i, names)} alone needs {format_bytes(need)} on stage {best}, where it comes closest "
+            f"to fitting (capacity {format_bytes(cap)}), and more than the capacity on every other stage; "
+            f"no stage can hold it. Give stage {best}'s device more memory, shrink the layer, or lower its "
+            "activation memory (fewer micro-batches in flight, smaller micro-batches).",
             stage=None,
             layer=i,
             overflow=need - cap,
@@ -162,6 +162,11 @@ def balance(
         capacities: per-stage bytes available; requires ``memory``.
         names: per-layer names, used in the report and in error messages.
 
+    Stage costs are differences of float64 prefix sums, and the split is
+    exact for those: when the weights span more than about 1e15 (the sum over
+    the smallest positive weight), small layers are lost to rounding, and
+    ``balance`` logs a warning saying how many.
+
     Ties between optimal splits are broken the same way every time: going
     backwards from the last stage, each stage starts as early as the optimum
     allows, so later stages take as many layers as they can and the first
@@ -194,6 +199,7 @@ def balance(
     if names is not None and len(names) != n:
         raise ValueError(f"names has {len(names)} entries but there are {n} layers; give one name per layer")
     s = np.ones(n_stages) if speeds is None else _vector("speeds", speeds, length=n_stages, positive=True)
+    _check_range(w, total, s)
 
     if weight_model is not None:
         _check_model("weights", weight_model, n, n_stages)
@@ -216,10 +222,7 @@ def balance(
     if capacities is not None:
         if model is None:
             raise ValueError("capacities were given without memory; pass memory= (per-layer bytes or a MemoryModel)")
-        caps = _vector("capacities", capacities, length=n_stages, positive=False)
-        if (caps <= 0).any():
-            j = int(np.flatnonzero(caps <= 0)[0])
-            raise ValueError(f"capacities[{j}] is {float(caps[j])!r}; every capacity must be positive")
+        caps = _vector("capacities", capacities, length=n_stages, positive=True)
     constraint = _memory_cost(model) if model is not None else None
 
     solution = solve(SplitProblem(n_stages, objective, constraint if caps is not None else None, caps))
@@ -237,6 +240,44 @@ def balance(
     )
     log.debug("balanced %d layers into %d stages: bounds %s, bottleneck %.6g", n, n_stages, b, part.bottleneck)
     return part
+
+
+def _check_range(w: FloatArray, total: float, speeds: FloatArray) -> None:
+    """Refuse times that leave float64's normal range; warn when prefix sums lose small layers to rounding."""
+    slowest, fastest = float(speeds.min()), float(speeds.max())
+    with np.errstate(over="ignore", under="ignore"):
+        longest = total / slowest
+        positive = w[w > 0]
+        shortest = float(positive.min()) / fastest if len(positive) else math.inf
+    if not math.isfinite(longest):
+        raise ValueError(
+            f"the weights' sum {total!r} over the slowest speed {slowest!r} overflows float64; "
+            "scale the weights down or the speeds up (only their ratios matter)"
+        )
+    if shortest == 0:
+        raise ValueError(
+            f"the smallest positive weight {float(positive.min())!r} over the fastest speed {fastest!r} underflows "
+            "float64 to 0; scale the weights up or the speeds down (only their ratios matter)"
+        )
+    if len(positive) and total / float(positive.min()) > _SPAN:
+        prefix = np.cumsum(w, dtype=np.float64)
+        recovered = np.diff(prefix, prepend=0.0)
+        lost = int((np.abs(recovered - w) > 1e-6 * w).sum())
+        if lost:
+            log.warning(
+                "the weights span %.3g x (sum %.6g, smallest positive %.6g): float64 prefix sums change %d of %d "
+                "layers' weights by more than 1e-6 of themselves, so the split is exact only for the rounded sums; "
+                "merge the smallest layers or drop them",
+                total / float(positive.min()),
+                total,
+                float(positive.min()),
+                lost,
+                len(w),
+            )
+
+
+_SPAN = 2.0**30
+"""Above this ratio of the weights' sum to the smallest positive weight, check what rounding does to the sums."""
 
 
 def _check_model(field: str, model: MemoryModel, n_layers: int, n_stages: int) -> None:

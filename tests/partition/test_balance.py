@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -104,6 +105,21 @@ def test_zero_weights_are_allowed() -> None:
         ({"memory": [1.0, 1.0]}, ValueError, r"memory has 2 entries but there are 3; give exactly 3"),
         ({"memory": [1.0, 1.0, 1.0], "capacities": [5.0]}, ValueError, r"capacities has 1 entries but there are 2"),
         ({"memory": [1.0, 1.0, 1.0], "capacities": [5.0, 0.0]}, ValueError, r"capacities\[1\] is 0\.0"),
+        (
+            {"memory": [1.0, 1.0, 1.0], "capacities": [-5.0, 5.0]},
+            ValueError,
+            r"capacities\[0\] is -5\.0; every entry must be positive and finite",
+        ),
+        (
+            {"weights": [1e300, 1e300, 1.0], "speeds": [1e-10, 1.0]},
+            ValueError,
+            r"sum 2e\+300 over the slowest speed 1e-10 overflows float64; scale the weights down or the speeds up",
+        ),
+        (
+            {"weights": [1e-300, 0.0, 1e-300], "speeds": [1e30, 1.0]},
+            ValueError,
+            r"smallest positive weight 1e-300 over the fastest speed 1e\+30 underflows float64 to 0",
+        ),
         ({"capacities": [5.0, 5.0]}, ValueError, r"capacities were given without memory; pass memory="),
         ({"names": ["a", "b"]}, ValueError, r"names has 2 entries but there are 3 layers"),
         (
@@ -123,7 +139,9 @@ def test_bad_input(kwargs: dict[str, object], error: type[Exception], pattern: s
 
 def test_layer_larger_than_every_capacity_is_named() -> None:
     with pytest.raises(
-        CapacityError, match=r"layer 2 \('blocks.1'\) alone needs 50 B but the largest capacity is 40 B"
+        CapacityError,
+        match=r"layer 2 \('blocks.1'\) alone needs 50 B on stage 1, where it comes closest to fitting "
+        r"\(capacity 40 B\), and more than the capacity on every other stage",
     ) as info:
         balance(
             [1.0] * 4,
@@ -133,6 +151,23 @@ def test_layer_larger_than_every_capacity_is_named() -> None:
             names=["embed", "blocks.0", "blocks.1", "head"],
         )
     assert info.value.layer == 2 and info.value.stage is None and info.value.overflow == 10.0
+
+
+def test_layer_too_big_is_measured_against_the_stage_it_comes_closest_to_fitting() -> None:
+    # Stage 0 holds 4 micro-batches: layer 0 needs 400 B there against 100 B; on stage 1, 100 B against 50 B.
+    model = MemoryModel(fixed=(0.0, 0.0), activation=(100.0, 1.0), in_flight=(4, 1))
+    with pytest.raises(CapacityError, match=r"layer 0 alone needs 100 B on stage 1, .*\(capacity 50 B\)") as info:
+        balance([1.0, 1.0], 2, memory=model, capacities=[100.0, 50.0])
+    assert info.value.layer == 0 and info.value.overflow == 50.0
+
+
+def test_weights_that_rounding_loses_are_reported(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="stagewise.partition.balance"):
+        balance([2.0**40, 1.0, 3.0], 2)  # every sum is exact in float64
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="stagewise.partition.balance"):
+        balance([1e17, 1.0, 2.0], 2)  # 1e17 + 1 rounds to 1e17
+    assert "change 2 of 3 layers' weights" in caplog.text and "exact only for the rounded sums" in caplog.text
 
 
 def test_unmeetable_capacities_name_the_overflowing_stage() -> None:
