@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,6 +22,7 @@ Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
 """What travels between stages: a tensor or a tuple of tensors."""
 
 _POOL_DEPTH = 4  # buffers kept per (dtype, shape); more are left to the allocator
+_POOL_SHAPES = 8  # (dtype, shape) pairs kept, the most recently released; older ones are dropped
 
 
 def as_tensors(payload: object) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -118,10 +121,10 @@ class Transport:
     payload's layout once and again only when it changes, so variable
     sequence lengths work.
 
-    Under gloo, a stream whose last two messages had the same layout turns
-    steady: the receiver posts the data receive, in the layout it knows,
-    together with the control word's, so a steady stream adds no round trip
-    before its data. When the layout changes, the sender sends the control
+    Under gloo, a stream whose last two messages had the same layout, with
+    some bytes of data, turns steady: the receiver posts the data receive, in
+    the layout it knows, together with the control word's, so a steady stream
+    adds no round trip before its data. When the layout changes, the sender sends the control
     word and the metadata, then a stand-in of the old layout to complete the
     posted data receive, then the new data; the stream is no longer steady
     until two messages agree again.
@@ -139,7 +142,10 @@ class Transport:
 
     Received tensors that required grad on the sender require grad here; integer
     and boolean tensors never do. ``release`` hands received tensors back for
-    reuse by later receives of the same dtype and shape.
+    reuse by later receives of the same dtype and shape (a few each, for the
+    most recently released shapes). A send keeps its tensors until it is
+    waited for, by its own :meth:`Pending.wait` or by :meth:`wait_sends`;
+    call one of them once per step or so.
 
     Every wait is bounded by ``timeout``; a timeout raises :class:`CommTimeoutError`,
     a dead peer :class:`PeerGoneError`, each naming this rank, the peer and what
@@ -170,7 +176,7 @@ class Transport:
         self._coalesces = not self.speculate
         self._sent: dict[tuple[int, int], _Channel] = {}
         self._received: dict[tuple[int, int], _Channel] = {}
-        self._pool: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._pool: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
         self._in_flight: list[Pending] = []
         self._receiving: set[tuple[int, int]] = set()
 
@@ -214,7 +220,7 @@ class Transport:
             assert channel.layout is not None
             data = [m.empty(self.device).zero_() for m in channel.layout[1]] + data
         ops = self._ops(dist.isend, control, to, 2 * stream) + self._ops(dist.isend, data, to, 2 * stream + 1)
-        channel.stable = same
+        channel.stable = same and _has_bytes(layout)  # a zero-byte stream has no data to wait on: never steady
         channel.layout = layout
         return self._start(ops, to, what, control + data)
 
@@ -224,6 +230,9 @@ class Transport:
 
     def _start(self, ops: list[dist.P2POp], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
         pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep)
+        # Let go of the sends already waited for. (Gloo cannot tell whether a send has completed without
+        # waiting for it, so the others stay until wait_sends().)
+        self._in_flight = [p for p in self._in_flight if p.works]
         self._in_flight.append(pending)
         return pending
 
@@ -274,7 +283,11 @@ class Transport:
         for t in tensors:
             if t.device != self.device or t.grad_fn is not None:
                 continue
-            stack = self._pool.setdefault((t.dtype, tuple(t.shape)), [])
+            key = (t.dtype, tuple(t.shape))
+            stack = self._pool.setdefault(key, [])
+            self._pool.move_to_end(key)
+            if len(self._pool) > _POOL_SHAPES:  # varying shapes (sequence lengths): keep the recent ones
+                self._pool.popitem(last=False)
             if len(stack) < _POOL_DEPTH:
                 t.requires_grad_(False)
                 t.grad = None
@@ -282,6 +295,11 @@ class Transport:
 
 
 _NO_CONTROL = torch.empty(0, dtype=torch.int64)
+
+
+def _has_bytes(layout: PayloadLayout) -> bool:
+    """Whether a payload of this layout has data to receive: without, only a control word can say it arrived."""
+    return any(math.prod(m.shape) for m in layout[1])
 
 
 class Receiving:
@@ -401,7 +419,7 @@ class Receiving:
                 t._receive(buffers, src, 2 * stream + 1, what)
         finally:
             t._receiving.discard((src, stream))
-        channel.stable = not words
+        channel.stable = not words and _has_bytes(layout)
         channel.layout = layout
         for b, m in zip(buffers, layout[1], strict=True):
             b.requires_grad_(m.requires_grad)

@@ -48,8 +48,10 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
 
 
-def echo(messages: list[object], delay: float = 0.0, dedicated: bool = False) -> list[tuple[object, list[bool]]]:
-    """Rank 0 sends every message to rank 1, which receives them in order (after ``delay`` seconds)."""
+def echo(
+    messages: list[object], delay: float = 0.0, dedicated: bool = False, pace: float = 0.0
+) -> list[tuple[object, list[bool]]]:
+    """Rank 0 sends every message to rank 1 (``pace`` seconds apart), which receives them in order (after ``delay``)."""
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30, dedicated=dedicated)
     received = []
@@ -57,6 +59,7 @@ def echo(messages: list[object], delay: float = 0.0, dedicated: bool = False) ->
         time.sleep(delay)
     for i, message in enumerate(messages):
         if dist.get_rank() == 0:
+            time.sleep(pace)
             transport.send(message, 1, what=f"message {i}")  # type: ignore[arg-type]
         else:
             got = transport.recv(0, what=f"message {i}")
@@ -111,6 +114,20 @@ def test_steady_streams_that_change_layout(dedicated: bool) -> None:
 
 
 @pytest.mark.parametrize("dedicated", [False, True])
+def test_a_stream_of_empty_payloads_that_changes_layout(dedicated: bool) -> None:
+    # Empty payloads carry no data, so nothing but a control word can tell the receiver, which here waits
+    # ahead of the sender, that the layout has changed: such a stream must never drop its control words.
+    e, f = torch.zeros(0), (torch.zeros(0, 3), torch.zeros(2, 0))
+    messages: list[object] = [e, e, e, e, torch.arange(5.0), torch.arange(5.0) + 1, f, f, f, torch.ones(2)]
+    received = run_ranks(echo, 2, messages, 0.0, dedicated, 0.05)[1]
+    assert len(received) == len(messages)
+    for sent, (got, _) in zip(messages, received, strict=True):
+        assert as_tensors(sent)[1] == as_tensors(got)[1]
+        for x, y in zip(as_tensors(sent)[0], as_tensors(got)[0], strict=True):
+            assert same_bits(x, y)
+
+
+@pytest.mark.parametrize("dedicated", [False, True])
 def test_a_change_announced_while_the_receiver_is_behind(dedicated: bool) -> None:
     # The sender runs ahead and has posted everything, the change of layout at message 5 with its stand-in,
     # before the late receiver reads the steady messages before it; they must come through as data. (With a
@@ -157,6 +174,29 @@ def neighbours_on_the_same_ranks() -> list[float]:
 def test_dedicated_transports_take_no_one_elses_messages() -> None:
     got = run_ranks(neighbours_on_the_same_ranks, 2)[1]
     assert got == [1.0, 2.0, 10.0, 2.0, 3.0, 11.0, 3.0, 4.0, 12.0, 4.0, 5.0, 13.0, 7.0]
+
+
+def varying_shapes() -> int:
+    """Rank 0 sends 20 payloads of growing length, waiting for each; rank 1 releases each after use."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True)
+    for n in range(1, 21):
+        if dist.get_rank() == 0:
+            transport.send(torch.ones(n, 4), 1, what=f"length {n}").wait()
+        else:
+            transport.release(transport.recv(0, what=f"length {n}"))
+    pooled = sum(len(stack) for stack in transport._pool.values())
+    left = len(transport._in_flight) if dist.get_rank() == 0 else pooled
+    dist.barrier()
+    dist.destroy_process_group()
+    return left
+
+
+def test_waited_sends_and_old_shapes_are_let_go() -> None:
+    # A sender that waits for each send itself holds on to none of them (the last until the next send), and
+    # a receiver of ever new shapes (sequence lengths) keeps buffers of the most recent few only.
+    left = run_ranks(varying_shapes, 2)
+    assert left[0] <= 1 and 1 <= left[1] <= 8
 
 
 def reuse_buffers() -> tuple[bool, bool, bool]:
