@@ -63,6 +63,11 @@ class StepResult:
     """On the rank of the last stage: each micro-batch's loss as ``loss_fn`` returned it, detached."""
 
 
+def _storages(payload: Payload) -> set[int]:
+    """The addresses of the storages under a payload's tensors."""
+    return {t.untyped_storage().data_ptr() for t in as_tensors(payload)[0]}
+
+
 class Executor:
     """Runs a rank's actions against its stages, posting receives early and sending without waiting.
 
@@ -293,9 +298,11 @@ class _Run:
             x._send(out, s + 1, mb, action, ACTIVATIONS)  # type: ignore[arg-type]
         if self.training:
             self.slots[(s, mb)] = slot
-        else:
+        else:  # a received buffer the output is a view of stays with the output (kept, or still being sent)
+            kept = _storages(out)  # type: ignore[arg-type]
             for payload in received:
-                x.transport.release(payload)
+                if not _storages(payload) & kept:
+                    x.transport.release(payload)
 
     def _loss(self, slot: _Slot, mb: int) -> None:
         if self.targets is None or self.loss_fn is None:

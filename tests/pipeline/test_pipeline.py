@@ -65,6 +65,41 @@ def test_same_seed_same_model_for_any_stage_count_and_no_foreign_layers() -> Non
         assert all(results[r]["logits"] is None for r in range(n_ranks - 1))
 
 
+class Same(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.shape)
+
+
+class Half(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :2]
+
+
+def views_of_inputs() -> list[torch.Tensor] | None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half())
+    pipe = Pipeline(model, Partition.from_bounds((0, 1, 2, 3)), n_microbatches=4, loss_fn=mse, mesh=init_mesh(3))
+    first = pipe.predict(torch.arange(32.0).reshape(8, 4))
+    kept = None if first is None else first.clone()
+    second = pipe.predict(torch.arange(32.0).reshape(8, 4) + 1)
+    dist.destroy_process_group()
+    return None if first is None or second is None else [kept, first, second]
+
+
+def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
+    # The middle stage returns a view of what it received, and the last stage a slice of it: neither buffer
+    # may be reused by a later receive while the view is being sent or has been returned.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half())
+    x = torch.arange(32.0).reshape(8, 4)
+    kept, first, second = run_ranks(views_of_inputs, 3)[2]  # type: ignore[misc]
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(x), atol=1e-6, rtol=0)
+        torch.testing.assert_close(first, kept, atol=0, rtol=0)
+        torch.testing.assert_close(second, model(x + 1), atol=1e-6, rtol=0)
+
+
 def misc(tmp: str) -> dict[str, object]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=30)
