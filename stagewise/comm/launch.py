@@ -248,7 +248,10 @@ class _Returning:
     outside the scope that records a rank's exception, so an unpicklable
     result (a tensor attached to an autograd graph) would fail without its
     cause. A rank that fails writes its report at once, then
-    waits ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`).
+    waits ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`). A
+    rank interrupted (SIGINT) or calling ``sys.exit`` fails the same way: torch's
+    process wrapper would otherwise exit with code 0 and no result, and the
+    agent would wait for that result forever.
     """
 
     def __init__(self, fn: Callable[..., Any], env: Mapping[str, str], threads: int | None, grace: float) -> None:
@@ -267,7 +270,14 @@ class _Returning:
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         try:
-            return self._checked(self.fn(*args))
+            try:
+                return self._checked(self.fn(*args))
+            except KeyboardInterrupt as err:  # torch's process wrapper would exit 0 without a result: a hang
+                raise RuntimeError("interrupted (KeyboardInterrupt, or SIGINT)") from err
+            except SystemExit as err:  # the same
+                raise RuntimeError(
+                    f"called sys.exit({err.code!r}) instead of returning; return a value or raise an exception"
+                ) from err
         except Exception as err:
             get_error_handler().record_exception(err)  # now: the agent may stop this process while it waits
             time.sleep(self.grace)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,30 @@ def fail_on_rank_one() -> None:
     if dist.get_rank() == 1:
         raise ValueError("rank one cannot go on")
     dist.barrier()  # rank 0 waits here until the agent stops it
+
+
+def leave_on_rank_one(how: str) -> None:
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        if how == "interrupt":
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        sys.exit(3)
+    dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("interrupt", "RuntimeError: interrupted (KeyboardInterrupt, or SIGINT)"),
+        ("exit", "RuntimeError: called sys.exit(3) instead of returning; return a value or raise an exception"),
+    ],
+)
+def test_a_rank_that_is_interrupted_or_exits_fails_the_launch_not_hangs_it(how: str, message: str) -> None:
+    with pytest.raises(LaunchError) as info:
+        run_ranks(leave_on_rank_one, 2, how, timeout=60)
+    first = info.value.failures[0]
+    assert first.rank == 1 and first.message == message
 
 
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
