@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})$")
 MODEL, OPTIM, PROGRESS = "model/", "optim/", "progress"
+OPTIMIZER = "optimizer"
+"""The optimizer's class name, as UTF-8 bytes in a uint8 tensor."""
 
 
 class CheckpointError(ValueError):
@@ -167,6 +169,7 @@ def save(
     state: dict[str, Any] = {MODEL + k: v for k, v in pipe.state_dict().items()}
     if optimizer is not None:
         state.update(_optimizer_state(pipe, optimizer))
+        state[OPTIMIZER] = torch.tensor(list(type(optimizer).__name__.encode()), dtype=torch.uint8)
     state[PROGRESS] = torch.tensor([progress.step, progress.epoch, progress.batch], dtype=torch.int64)
     state[f"rng/{rank}"] = torch.get_rng_state()
     dcp_save(state, storage_writer=FileSystemWriter(partial))
@@ -208,6 +211,22 @@ def _empty_like_stored(meta: Any, key: str, device: torch.device) -> torch.Tenso
     return torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
 
 
+def _check_optimizer(
+    optimizer: torch.optim.Optimizer, reader: SafeReader, stored: Mapping[str, Any], path: Path
+) -> None:
+    """Refuse state saved by another kind of optimizer (checkpoints from before it was recorded pass)."""
+    if OPTIMIZER not in stored:
+        return
+    name = torch.empty(stored[OPTIMIZER].size, dtype=torch.uint8)
+    dcp_load({OPTIMIZER: name}, storage_reader=reader)
+    saved, mine = bytes(name.tolist()).decode(), type(optimizer).__name__
+    if saved != mine:
+        raise CheckpointError(
+            f"the checkpoint {path} holds {saved} state, but the optimizer is {mine}; resume with {saved} "
+            f"(stagewise train --optimizer {saved.lower()}), or start afresh in another checkpoint directory"
+        )
+
+
 def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> Progress:
     """Load a checkpoint saved with any split into this pipeline (and optimizer); every rank calls it.
 
@@ -233,6 +252,7 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     rank = dist.get_rank() if dist.is_initialized() else 0
     wanted: dict[nn.Parameter, list[str]] = {}
     if optimizer is not None:
+        _check_optimizer(optimizer, reader, stored, path)
         params = dict(pipe.named_parameters())
         for key in stored:
             if key.startswith(OPTIM):

@@ -127,6 +127,10 @@ def bad_checkpoints(root: str) -> dict[str, str]:
     import pickle
 
     (evil / ".metadata").write_bytes(pickle.dumps(os.system))
+    try:
+        checkpoint.load(saved, pipe, torch.optim.SGD(pipe.parameters(), lr=0.1))
+    except checkpoint.CheckpointError as err:
+        messages["other optimizer"] = str(err)
     for case, path in {"corrupt": corrupt, "truncated": truncated, "code in metadata": evil}.items():
         try:
             checkpoint.load(path, pipe)
@@ -151,6 +155,10 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert messages["truncated"].endswith("failed (corrupt or truncated?): EOFError")
     assert "posix.system is not allowed in a checkpoint's metadata" in messages["code in metadata"]
     assert "rank 0 cannot write checkpoints to" in messages["unwritable"]
+    assert messages["other optimizer"].endswith(
+        "holds AdamW state, but the optimizer is SGD; resume with AdamW (stagewise train --optimizer adamw), "
+        "or start afresh in another checkpoint directory"
+    )
 
 
 def fusions(configs: list[TrainConfig]) -> list[WeightGradientFusion | None]:
