@@ -151,7 +151,9 @@ class LaunchedError(Exception):
     """Raised by a stand-in for launch once it has seen its options."""
 
 
-def test_train_pins_cores_only_when_asked(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_launcher_options_reach_launch_and_are_refused_under_torchrun(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     seen: list[dict[str, object]] = []
 
     def launch(fn: object, nprocs: int, *args: object, **options: object) -> None:
@@ -166,6 +168,10 @@ def test_train_pins_cores_only_when_asked(monkeypatch: pytest.MonkeyPatch, capsy
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-torchrun-job")  # as torchrun sets it
     assert main(["train", "--pin-cores"]) == 2
     assert "--pin-cores applies when stagewise starts the processes; torchrun started these" in capsys.readouterr().err
+    assert main(["train", "--max-restarts", "3"]) == 2
+    assert "give torchrun --max-restarts, and stagewise train --resume --checkpoint-dir DIR" in capsys.readouterr().err
+    assert main(["train", "--max-restarts", "-4"]) == 2
+    assert "--max-restarts must be >= 0, got -4" in capsys.readouterr().err
 
 
 def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:

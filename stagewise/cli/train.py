@@ -169,17 +169,22 @@ def report(summary: Summary, out: Path) -> list[str]:
 
 def run(ns: argparse.Namespace) -> int:
     config = config_of(ns)
+    if ns.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if _under_torchrun():
         if ns.pin_cores:
             raise ValueError("--pin-cores applies when stagewise starts the processes; torchrun started these")
+        if ns.max_restarts:
+            raise ValueError(
+                "--max-restarts applies when stagewise starts the processes; torchrun started these: "
+                "give torchrun --max-restarts, and stagewise train --resume --checkpoint-dir DIR"
+            )
         summary = run_rank(config)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     else:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         on_gpus = gpus >= config.world_size
-        if ns.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
         if ns.max_restarts and config.checkpoint_dir is None:
             raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
         if ns.max_restarts:
