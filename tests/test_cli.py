@@ -61,6 +61,13 @@ def test_invalid_arguments_are_refused_by_the_parser(argv: list[str], capsys: py
     assert "error:" in capsys.readouterr().err
 
 
+def test_a_size_the_parser_cannot_read_says_how_to_write_one(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["partition", "--capacity", "80GiB,10XB"], ["plan", "--gpu-memory", "10XB"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "cannot read '10XB' as a size; write a number with an optional unit" in capsys.readouterr().err
+
+
 def test_module_entry_point() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "stagewise", "partition", "--model", "gpt-tiny", "--stages", "2"],

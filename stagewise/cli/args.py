@@ -8,8 +8,16 @@ from typing import Literal
 from stagewise.units import parse_bytes
 
 
+def size(text: str) -> float:
+    """Bytes, as ``parse_bytes`` reads them; its message reaches the user (argparse hides a ValueError's)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
 def sizes(text: str) -> list[float]:
-    return [parse_bytes(part) for part in text.split(",")]
+    return [size(part) for part in text.split(",")]
 
 
 def floats(text: str) -> list[float]:

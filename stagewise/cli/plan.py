@@ -32,7 +32,7 @@ def add(commands: Any) -> None:
     p.add_argument("--input-shape", default=None, help="for MODULE:FACTORY: one sample's shape, e.g. 128 or 3x32x32")
     p.add_argument("--input-dtype", default="float32", choices=["float32", "int64"], help="for MODULE:FACTORY")
     p.add_argument("--gpus", type=args.positive_int, default=8, help="devices in all")
-    p.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("80GiB"), help="memory per device")
+    p.add_argument("--gpu-memory", type=args.size, default=parse_bytes("80GiB"), help="memory per device")
     p.add_argument("--gpu-flops", type=float, default=400e12, help="sustained FLOP/s per device (not the peak)")
     p.add_argument("--gpu-bandwidth", type=float, default=2e12, help="device memory bytes/s (optimizer step)")
     p.add_argument("--devices", default=None, help="mixed devices in rank order, e.g. 4x80GiB@400e12,4x40GiB@150e12")

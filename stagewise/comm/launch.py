@@ -112,7 +112,8 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 
 def _stderr_tail(log_dir: Path, local_rank: int, lines: int = 30) -> str:
-    logs = sorted(log_dir.glob(f"**/attempt_*/{local_rank}/stderr.log"))
+    # The latest attempt: attempt_10 comes after attempt_9.
+    logs = sorted(log_dir.glob(f"**/attempt_*/{local_rank}/stderr.log"), key=lambda p: int(p.parent.parent.name[8:]))
     if not logs:
         return ""
     text = logs[-1].read_text(errors="replace").splitlines()
@@ -349,7 +350,9 @@ def _run(
     device = options.get("device", "cpu")
     start_method = options.get("start_method", "spawn")
     is_host = options.get("is_host")
-    for name, value, least in (("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)):
+    threads = options.get("threads", 1)
+    counts = [("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)]
+    for name, value, least in [*counts, *([("threads", threads, 1)] if threads is not None else [])]:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if device not in ("cpu", "auto"):

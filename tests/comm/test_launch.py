@@ -190,12 +190,24 @@ def test_bad_launch_arguments() -> None:
         launch(report_rank, 0)
     with pytest.raises(ValueError, match=r"nnodes=2 needs rdzv_endpoint='HOST:PORT'"):
         launch(report_rank, 1, nnodes=2)
+    with pytest.raises(ValueError, match=r"threads must be an int >= 1, got 0"):
+        launch(report_rank, 1, threads=0)
     with pytest.raises(ValueError, match=r"device must be 'cpu' or 'auto'"):
         launch(report_rank, 1, device="tpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"start_method must be 'spawn' or 'forkserver', got 'fork'"):
         launch(report_rank, 1, start_method="fork")  # type: ignore[typeddict-item]
     with pytest.raises(ValueError, match=r"launch_module starts fresh interpreters; start_method='forkserver'"):
         launch_module("stagewise", ["partition"], 1, start_method="forkserver")
+
+
+def test_a_failure_report_quotes_the_latest_attempt(tmp_path: Path) -> None:
+    from stagewise.comm.launch import _stderr_tail
+
+    for attempt in (2, 9, 10):
+        folder = tmp_path / "run" / f"attempt_{attempt}" / "0"
+        folder.mkdir(parents=True)
+        (folder / "stderr.log").write_text(f"attempt {attempt}\n")
+    assert _stderr_tail(tmp_path, 0) == "attempt 10"
 
 
 def test_two_local_nodes_form_one_job() -> None:
