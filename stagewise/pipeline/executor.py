@@ -196,6 +196,8 @@ class _Run:
         self.sync = sync_points(actions) if training and executor.replicas is not None else set()
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
+        self.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.I}
+        """Forwards whose backward is split into I and W (a schedule may split some and not others)."""
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
         fusion = executor.fusion if training else None
         self.pool = executor.pool if fusion is not None else 1
@@ -275,7 +277,7 @@ class _Run:
         else:
             data = self.handoff.pop((s, mb))
         owners: list[WeightUse] = []
-        split = self.training and x.schedule.splits_backward
+        split = self.training and (s, mb) in self.split
         fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
         store, anchor = self.store, None
         if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own

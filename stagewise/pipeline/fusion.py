@@ -228,8 +228,8 @@ class FusedWeightGradients(TorchFunctionMode):
     other requested gradient passes through it (zero-bubble's I).
 
     Only the forward needs the mode: what it records decides the backward.
-    Ops under autocast, without grad mode, or on weights outside ``params``
-    or not requiring grad run unchanged. Hooks on a fused parameter's
+    Ops under autocast, without grad mode, on weights outside ``params`` or
+    not requiring grad, or with a computed (non-leaf) bias run unchanged. Hooks on a fused parameter's
     gradient accumulator (``Tensor.register_hook``,
     ``register_post_accumulate_grad_hook``, DDP's reducer) do not see the
     gradients of fused backwards; run the backward they must see without
@@ -263,6 +263,7 @@ class FusedWeightGradients(TorchFunctionMode):
             if (
                 id(weight) in self.ids
                 and weight.requires_grad
+                and (bias is None or bias.is_leaf)  # a computed bias's gradient must flow on, through autograd
                 and isinstance(x, torch.Tensor)
                 and not torch.is_autocast_enabled(x.device.type)
             ):

@@ -14,12 +14,14 @@ from torch import nn
 from stagewise.partition import Holding, layers_of
 from stagewise.pipeline import (
     FusedWeightGradients,
+    Schedule,
     ScheduleName,
     WeightGradientFusion,
     build,
     free_pool,
     holdings,
     peak_in_flight,
+    validate,
 )
 from stagewise.pipeline.actions import Action, Kind, forwards_first
 from stagewise.pipeline.executor import Executor
@@ -100,6 +102,33 @@ def test_frozen_foreign_autocast_and_no_grad_linears_run_unchanged() -> None:
     layer.weight.requires_grad_(False)
     with FusedWeightGradients([layer.weight]):
         assert layer(x).grad_fn is None  # nothing requires grad: nothing to fuse
+
+
+class ScaledBias(nn.Module):
+    """A linear whose bias is computed, ``gain * bias``: its gradient must reach both parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.bias = nn.Parameter(torch.randn(4))
+        self.gain = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.gain * self.bias)
+
+
+def test_a_linear_with_a_computed_bias_runs_unchanged() -> None:
+    torch.manual_seed(2)
+    model = ScaledBias()
+    x = torch.randn(3, 4)
+    want = _autograd_grads(model, [x])
+    model.zero_grad(set_to_none=True)
+    with FusedWeightGradients(model.parameters()):
+        out = model(x)
+    assert "AccumulatingLinear" not in type(out.grad_fn).__name__
+    out.square().sum().backward()
+    for (name, param), grad in zip(model.named_parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, msg=name)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -327,6 +356,22 @@ def test_zero_bubbles_w_adds_fused_gradients_once_and_runs_autograd_for_the_rest
     # ScaledIn.scale's W runs autograd back through proj's fused op: proj.weight's gradient must not be added twice
     for param, grad in zip(stage.parameters(), want, strict=True):
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fusion", [None, WeightGradientFusion.every()], ids=["autograd", "fused"])
+def test_a_schedule_that_splits_some_backwards_and_not_others(fusion: WeightGradientFusion | None) -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3))
+    x, y = torch.randn(7, 6), torch.randn(7, 3)
+    want = [g / 7 for g in _autograd_grads(model, [x])]
+    schedule = Schedule.from_text("rank 0: 0F0 0B0 0F1 0I1 0F2 0W1 0B2")
+    validate(schedule)
+    stage = StageModule(0, 0, layers_of(model), fusion=fusion)
+    model.zero_grad(set_to_none=True)
+    executor = Executor(schedule, 0, {0: stage}, _LocalTransport(), [0], fusion=fusion)  # type: ignore[arg-type]
+    executor.run(schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
+    for (name, param), grad in zip(stage.named_parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
 class ReadTwice(nn.Module):
