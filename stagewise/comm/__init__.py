@@ -1,6 +1,6 @@
 """Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
 
-from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError
+from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed
 from stagewise.comm.launch import (
     LaunchError,
     LaunchOptions,
@@ -34,6 +34,7 @@ __all__ = [
     "Transport",
     "as_tensors",
     "choose_backend",
+    "collective_failed",
     "free_port",
     "init_mesh",
     "launch",

@@ -29,3 +29,27 @@ class CommTimeoutError(CommError):
 
 class PeerGoneError(CommError):
     """The peer closed the connection, usually because its process died."""
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether a failed wait of torch.distributed ran out of time (rather than losing its peer)."""
+    return "timed out" in str(err).lower() or "timeout" in str(err).lower()
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line, or its type's name when it has no text."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def collective_failed(err: BaseException, *, rank: int, peer: int, what: str, timeout: float) -> CommError:
+    """The error to raise for a collective (``what``, with ``peer`` among its ranks) that failed with ``err``."""
+    if timed_out(err):
+        return CommTimeoutError(
+            f"rank {rank} timed out after {timeout:g} s in {what} ({first_line(err)}); "
+            "another rank may have hung or be waiting on something else",
+            rank=rank,
+            peer=peer,
+            what=what,
+        )
+    return PeerGoneError(f"rank {rank} lost a peer during {what}: {first_line(err)}", rank=rank, peer=peer, what=what)

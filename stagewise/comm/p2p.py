@@ -13,7 +13,7 @@ from typing import TypeAlias
 import torch
 import torch.distributed as dist
 
-from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError
+from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, first_line, timed_out
 from stagewise.comm.meta import TensorMeta, decode, encode
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ def _wait(work: dist.Work, *, rank: int, peer: int, what: str, timeout: timedelt
     try:
         finished = work.wait(timeout)
     except RuntimeError as err:
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        if "timed out" in text.lower() or "timeout" in text.lower():
+        text = first_line(err)
+        if timed_out(err):
             raise CommTimeoutError(
                 f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer} "
                 f"({text}); the peer may have hung or be waiting on something else",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stagewise.comm import Payload, PipelineMesh, Transport, init_mesh
+from stagewise.comm import Payload, PipelineMesh, Transport, collective_failed, init_mesh
 from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
@@ -198,7 +198,7 @@ class Pipeline:
                 fusion=fuse_weight_gradients,
             )
         retie(layers, shared, {i for s in self.stages for i in range(b[s], b[s + 1])})
-        self.ties = Ties(layers, shared, partition, plan, self.mesh)
+        self.ties = Ties(layers, shared, partition, plan, self.mesh, timeout=timeout)
         self.ties.synchronise()
         peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
         # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
@@ -305,9 +305,10 @@ class Pipeline:
             tgs = split(self._to_device(targets), m, what="targets", reduction=self.loss_reduction)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
+        before = self.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
         with torch.enable_grad():
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
-        self.ties.sum_gradients()
+        self.ties.sum_gradients(before)
         self._record(result)
         self.steps += 1
         bad = _first_non_finite(result.microbatch_losses)
@@ -355,7 +356,12 @@ class Pipeline:
         values = [float(loss), smallest, largest, bad_microbatch]
         packet = torch.tensor(values, dtype=torch.float64, device=self.device)
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
-        dist.broadcast(packet, src=last, group=self.mesh.pp_group)
+        try:
+            dist.broadcast(packet, src=last, group=self.mesh.pp_group)
+        except RuntimeError as err:
+            seconds = self.mesh.timeout.total_seconds()
+            what = f"the broadcast of the loss from rank {last}, the last stage's, along the pipeline"
+            raise collective_failed(err, rank=self.mesh.rank, peer=last, what=what, timeout=seconds) from err
         smallest, largest = int(packet[1]), int(packet[2])
         self._bad_microbatch = int(packet[3])
         if self.loss_reduction == "mean" and smallest != largest:

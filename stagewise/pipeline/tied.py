@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from stagewise.comm import PipelineMesh
+from stagewise.comm import PipelineMesh, collective_failed
 from stagewise.partition import Layer, Partition, SharedParameter
 from stagewise.pipeline.actions import Schedule
 
@@ -74,8 +75,13 @@ class Ties:
         partition: Partition,
         schedule: Schedule,
         mesh: PipelineMesh,
+        *,
+        timeout: float = 300.0,
     ) -> None:
         self.copies: list[TiedCopy] = []
+        self.rank = mesh.rank
+        self.timeout = timeout
+        """Seconds each synchronisation may wait for the other copies' ranks."""
         self.shared = list(shared)
         """What :func:`stagewise.partition.shared_parameters` found before the layers were materialised."""
         held = {s for s in range(schedule.n_stages) if schedule.rank_of(s) == mesh.stage}
@@ -88,7 +94,7 @@ class Ties:
             source = -1
             for replica in range(mesh.layout.dp):  # every rank creates every group, in the same order
                 ranks = [mesh.layout.rank(p, replica) for p in ordered]
-                group = dist.new_group(sorted(ranks))
+                group = dist.new_group(sorted(ranks), timeout=timedelta(seconds=timeout))
                 if replica == mesh.replica:
                     mine, source = group, ranks[0]
             k = next((k for k, i in enumerate(tie.indices) if partition.stage_of(i) in held), None)
@@ -105,13 +111,32 @@ class Ties:
             for copy in self.copies:
                 dist.broadcast(copy.param.data, src=copy.source, group=copy.group)
 
-    def sum_gradients(self) -> None:
-        """Add the gradients of all copies of each shared parameter, on every rank that holds one."""
+    def set_aside(self) -> list[torch.Tensor | None]:
+        """Take the copies' gradients from before a step out of ``.grad``, for :meth:`sum_gradients` to add back."""
+        before = [copy.param.grad for copy in self.copies]
         for copy in self.copies:
+            copy.param.grad = None
+        return before
+
+    def sum_gradients(self, before: Sequence[torch.Tensor | None] = ()) -> None:
+        """Add the gradients of all copies of each shared parameter, on every rank that holds one.
+
+        ``before``: what :meth:`set_aside` took before the step. Every copy
+        already holds that same total, so it is added back after the sum,
+        not summed again.
+        """
+        for i, copy in enumerate(self.copies):
             param = copy.param
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=copy.group)
+            try:
+                dist.all_reduce(param.grad, group=copy.group)
+            except RuntimeError as err:
+                what = f"the sum of the gradients of tied parameter {copy.tie.names[0]!r}'s copies"
+                raise collective_failed(err, rank=self.rank, peer=copy.source, what=what, timeout=self.timeout) from err
+            earlier = before[i] if i < len(before) else None
+            if earlier is not None:
+                param.grad.add_(earlier)
 
     def counted(self, param: nn.Parameter) -> bool:
         """False for a copy whose gradient another rank counts in the model's norm."""

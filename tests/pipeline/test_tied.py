@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -9,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from multiproc import run_ranks
 
-from stagewise.comm import init_mesh
+from stagewise.comm import CommError, init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, materialise_model
@@ -95,3 +96,57 @@ def test_tied_embedding_and_head_on_two_stages_equal_the_unsplit_model() -> None
 
 def test_tied_weights_with_two_replicas() -> None:
     check(run_ranks(train_tied, 4, "gpipe", (0, 3, 6), 2, 2, None, timeout=120), unsplit(8, clip=None))
+
+
+def accumulate_tied() -> dict[str, torch.Tensor]:
+    """Two steps without zeroing the gradients in between: each copy must hold the sum of both steps'."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
+                    mesh=mesh, seed=5, timeout=30)  # fmt: skip
+    for x, y in batches(4)[:2]:
+        pipe.step(x, y)
+    grads = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    dist.destroy_process_group()
+    return grads
+
+
+def test_tied_gradients_accumulate_over_steps_like_the_unsplit_model() -> None:
+    model = materialise_model(GPT(CONFIG, device="meta"), seed=5)
+    for x, y in batches(4)[:2]:
+        lm_loss(model(x), y).backward()
+    want = {name: p.grad for name, p in model.named_parameters()}
+    results = run_ranks(accumulate_tied, 2)
+    assert TIED[0] in results[0] and TIED[1] in results[1]
+    for got in results.values():
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, want[TIED[0] if name in TIED else name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def stalled_tie(seconds: float) -> str:
+    """Rank 1 reaches the sum of the tied copies' gradients ``seconds`` late; rank 0 must time out, naming it."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
+                    mesh=mesh, seed=5, timeout=3)  # fmt: skip
+    if mesh.rank == 1:
+        summing = pipe.ties.sum_gradients
+
+        def late(before: Any = ()) -> None:
+            time.sleep(seconds)
+            summing(before)
+
+        pipe.ties.sum_gradients = late  # type: ignore[method-assign]
+    x, y = batches(4)[0]
+    try:
+        pipe.step(x, y)
+    except CommError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_late_tied_copy_gives_a_named_timeout() -> None:
+    started = time.monotonic()
+    messages = run_ranks(stalled_tie, 2, 8.0, timeout=90)
+    assert messages[0].startswith("CommTimeoutError: rank 0 timed out after 3 s in the sum of the gradients of tied ")
+    assert time.monotonic() - started < 60
