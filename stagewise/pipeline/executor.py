@@ -19,7 +19,7 @@ from stagewise.pipeline.microbatch import Microbatches
 from stagewise.pipeline.pooling import rank_pool
 from stagewise.pipeline.stage import StageError, StageModule, failure
 from stagewise.pipeline.trace import Span
-from stagewise.pipeline.uses import WeightUse
+from stagewise.pipeline.uses import WeightUse, direct_gradients_only
 
 ACTIVATIONS, GRADIENTS = 0, 1
 """Transport streams: activations flow forward on one, gradients backward on the other."""
@@ -380,6 +380,13 @@ class _Run:
 
     def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
+        with direct_gradients_only():
+            self._each_use(slot, action, sync=sync)
+        if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
+            slot.store.flush()
+        self._done(slot)
+
+    def _each_use(self, slot: _Slot, action: Action, *, sync: bool) -> None:
         for use, grads in zip(slot.owners, slot.owner_grads, strict=True):
             params = [p for p in use.params if p.requires_grad]
             pairs = [(t, g) for t, g in zip(grad_tensors(use.output), grads, strict=True) if g is not None]
@@ -390,9 +397,6 @@ class _Run:
                 # Only this op's parameters: autograd stops where they are reached, so no activation
                 # gradient is recomputed and nothing is counted twice.
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
-        if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
-            slot.store.flush()
-        self._done(slot)
 
     def _done(self, slot: _Slot) -> None:
         if self.store:  # weight gradients waiting in the pool may read received tensors until the flush

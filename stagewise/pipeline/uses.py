@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from stagewise.pipeline.fusion import fused_params
 
@@ -56,8 +57,18 @@ class ParameterUses(TorchFunctionMode):
     def __init__(self, params: Iterable[torch.Tensor], uses: list[WeightUse]) -> None:
         super().__init__()
         self.ids = frozenset(id(p) for p in params)
-        self.uses = uses
+        self._uses = uses
+        self._seen: set[int] = set()
+
+    @property
+    def uses(self) -> list[WeightUse]:
         """Where the records go; may be replaced between forwards, to record each into a list of its own."""
+        return self._uses
+
+    @uses.setter
+    def uses(self, uses: list[WeightUse]) -> None:
+        self._uses = uses
+        self._seen = {id(p) for use in uses for p in use.params}
 
     def __torch_function__(
         self,
@@ -67,13 +78,53 @@ class ParameterUses(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        read = _read(args, kwargs, self.ids) if torch.is_grad_enabled() else ()
+        if any(id(p) in self._seen for p in read):
+            # A parameter read before in this forward (a module called twice): W from this op must not reach it
+            # again through this op's other inputs, so mark them where W stops (see direct_gradients_only).
+            args, kwargs = tree_map_only(torch.Tensor, self._cut, (args, kwargs))
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled():
-            read = _read(args, kwargs, self.ids)
-            use = WeightUse.of(read, out) if read else None
-            if use is not None:
-                self.uses.append(use)
+        use = WeightUse.of(read, out) if read else None
+        if use is not None:
+            self._uses.append(use)
+            self._seen.update(id(p) for p in read)
         return out
+
+    def _cut(self, t: torch.Tensor) -> torch.Tensor:
+        if t.requires_grad and id(t) not in self.ids:
+            out: torch.Tensor = _Stop.apply(t)  # type: ignore[no-untyped-call]
+            return out
+        return t
+
+
+_DIRECT_ONLY = [False]
+"""Whether autograd stops at the marks of :class:`_Stop` (during W); a list, so that every thread sees it."""
+
+
+class _Stop(torch.autograd.Function):
+    """The identity, whose backward passes the gradient on, except within :func:`direct_gradients_only`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor | None:
+        return None if _DIRECT_ONLY[0] else grad
+
+
+@contextmanager
+def direct_gradients_only() -> Iterator[None]:
+    """Within, autograd from a use's output stops at the inputs :class:`ParameterUses` marked: zero-bubble's W.
+
+    Those are the non-parameter inputs of an op that reads a parameter read
+    before it in the same forward, so each read contributes once.
+    """
+    _DIRECT_ONLY[0] = True
+    try:
+        yield
+    finally:
+        _DIRECT_ONLY[0] = False
 
 
 def _read(args: tuple[Any, ...], kwargs: dict[str, Any], ids: frozenset[int]) -> tuple[torch.Tensor, ...]:

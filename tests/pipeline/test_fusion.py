@@ -399,6 +399,33 @@ def test_zero_bubbles_w_covers_every_read_of_a_parameter(fusion: WeightGradientF
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+class CalledTwice(nn.Module):
+    """One linear applied twice, then its weight read once more by a matmul: every read depends on the ones before."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(torch.tanh(self.proj(torch.tanh(self.proj(x)))), self.proj.weight)
+
+
+@pytest.mark.parametrize("fusion", [None, WeightGradientFusion.every()], ids=["autograd", "fused"])
+def test_zero_bubbles_w_counts_a_parameter_read_on_top_of_its_own_reads_once(
+    fusion: WeightGradientFusion | None,
+) -> None:
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(6, 6), CalledTwice(6), nn.LayerNorm(6))
+    x, y = torch.randn(7, 6), torch.randn(7, 6)
+    want = [g / 7 for g in _autograd_grads(model, [x])]
+    stage = StageModule(0, 0, layers_of(model), fusion=fusion)
+    model.zero_grad(set_to_none=True)
+    executor = Executor(build("zero-bubble", 1, 3), 0, {0: stage}, _LocalTransport(), [0], fusion=fusion)  # type: ignore[arg-type]
+    executor.run(executor.schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
+    for (name, param), grad in zip(stage.named_parameters(), want, strict=True):
+        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
 def test_parameter_uses_records_each_read_once_with_what_it_computed() -> None:
     torch.manual_seed(6)
     model = ReadTwice(4)
