@@ -19,7 +19,7 @@ from stagewise.pipeline.microbatch import Microbatches
 from stagewise.pipeline.pooling import rank_pool
 from stagewise.pipeline.stage import StageError, StageModule, failure
 from stagewise.pipeline.trace import Span
-from stagewise.pipeline.uses import WeightUse, direct_gradients_only
+from stagewise.pipeline.uses import WeightUse, weight_gradients
 
 ACTIVATIONS, GRADIENTS = 0, 1
 """Transport streams: activations flow forward on one, gradients backward on the other."""
@@ -45,6 +45,8 @@ class _Slot:
     """With a split backward and fusion: the fused weight gradients I leaves for this micro-batch's W."""
     anchor: torch.Tensor | None = None
     """An input of every fused op of the forward, whose gradient I asks for (see :class:`FusedWeightGradients`)."""
+    joint: bool = False
+    """W runs one backward over all the owners (the micro-batch DDP synchronises: its hooks fire once)."""
 
 
 @dataclass
@@ -285,10 +287,11 @@ class _Run:
         try:
             pooled = store is not None and store is self.store
             owned = owners if split else None
-            out = x.stages[s].run(data, owned, fused=fused, store=store, pooled=pooled, anchor=anchor)
+            joint = split and (s, mb) in self.unfused
+            out = x.stages[s].run(data, owned, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor)
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(failure(x.stages[s], mb, data, err)) from err
-        slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor)  # type: ignore[arg-type]
+        slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor, joint=joint)  # type: ignore[arg-type]
         if s == x.last:
             if self.training:
                 self._loss(slot, mb)
@@ -380,23 +383,13 @@ class _Run:
 
     def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
-        with direct_gradients_only():
-            self._each_use(slot, action, sync=sync)
+        arm = None
+        if sync:  # before the first of W's backwards: together they complete the stage's gradients
+            arm = functools.partial(self._arm, action.stage, [t for u in slot.owners for t in grad_tensors(u.output)])
+        weight_gradients(slot.owners, slot.owner_grads, joint=slot.joint, before=arm)
         if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
             slot.store.flush()
         self._done(slot)
-
-    def _each_use(self, slot: _Slot, action: Action, *, sync: bool) -> None:
-        for use, grads in zip(slot.owners, slot.owner_grads, strict=True):
-            params = [p for p in use.params if p.requires_grad]
-            pairs = [(t, g) for t, g in zip(grad_tensors(use.output), grads, strict=True) if g is not None]
-            if params and pairs:
-                if sync:  # before the first of this action's backwards: they all complete the stage's gradients
-                    self._arm(action.stage, [t for u in slot.owners for t in grad_tensors(u.output)])
-                    sync = False
-                # Only this op's parameters: autograd stops where they are reached, so no activation
-                # gradient is recomputed and nothing is counted twice.
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
 
     def _done(self, slot: _Slot) -> None:
         if self.store:  # weight gradients waiting in the pool may read received tensors until the flush

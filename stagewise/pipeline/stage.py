@@ -157,6 +157,7 @@ class StageModule(nn.Module):
         x: object,
         owners: list[WeightUse] | None = None,
         *,
+        joint: bool = False,
         fused: bool = False,
         store: WeightGradientStore | None = None,
         pooled: bool = False,
@@ -164,7 +165,9 @@ class StageModule(nn.Module):
     ) -> object:
         """Apply the layers in order.
 
-        With ``owners``, record every use of parameters (see :class:`WeightUse`).
+        With ``owners``, record every use of parameters (see :class:`WeightUse`);
+        with ``joint`` too, so that W may run one backward over all of them
+        (see :attr:`ParameterUses.cut_all`).
         With ``fused``, the backward of this forward accumulates the gradients
         of linear weights of at least :attr:`fusion`'s threshold (its pooled
         one, if ``pooled``) straight into ``.grad``, or into ``store`` until its
@@ -179,6 +182,7 @@ class StageModule(nn.Module):
             if self._recorder is None:
                 self._recorder = ParameterUses(self.parameters(), owners)
             self._recorder.uses = owners
+            self._recorder.cut_all = joint
             # Innermost, so that it sees each op as the model calls it: a segment reports its own ops instead.
             recording = [*modes, self._recorder]
         calls = {True: functools.partial(_call, modes), False: functools.partial(_call, recording)}

@@ -1,8 +1,8 @@
-"""Where a stage's weight gradients start: the output of every op that reads a parameter, for zero-bubble's W."""
+"""Where weight gradients start (the output of each op that reads a parameter), and zero-bubble's W from there."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from stagewise.pipeline.fusion import fused_params
+from stagewise.pipeline.gradients import grad_tensors
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class ParameterUses(TorchFunctionMode):
         self.ids = frozenset(id(p) for p in params)
         self._uses = uses
         self._seen: set[int] = set()
+        self.cut_all = False
+        """Mark the other inputs of every op that reads a parameter, so that one backward from all the uses'
+        outputs gives each parameter its gradient in one accumulation (W under DDP, whose hooks fire once)."""
 
     @property
     def uses(self) -> list[WeightUse]:
@@ -79,7 +83,7 @@ class ParameterUses(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         read = _read(args, kwargs, self.ids) if torch.is_grad_enabled() else ()
-        if any(id(p) in self._seen for p in read):
+        if read and (self.cut_all or any(id(p) in self._seen for p in read)):
             # A parameter read before in this forward (a module called twice): W from this op must not reach it
             # again through this op's other inputs, so mark them where W stops (see direct_gradients_only).
             args, kwargs = tree_map_only(torch.Tensor, self._cut, (args, kwargs))
@@ -135,3 +139,36 @@ def _read(args: tuple[Any, ...], kwargs: dict[str, Any], ids: frozenset[int]) ->
             if isinstance(leaf, torch.Tensor) and id(leaf) in ids and leaf.requires_grad:
                 found.setdefault(id(leaf), leaf)
     return tuple(found.values())
+
+
+def weight_gradients(
+    owners: Sequence[WeightUse],
+    grads: Sequence[Sequence[torch.Tensor | None]],
+    *,
+    joint: bool = False,
+    before: Callable[[], None] | None = None,
+) -> None:
+    """Zero-bubble's W: each use's parameter gradients, from the gradients of its outputs that I computed.
+
+    Autograd runs from each use's outputs to its parameters only, and stops
+    at the inputs :class:`ParameterUses` marked, so no activation gradient is
+    computed again and each read of a parameter contributes once. With
+    ``joint`` (every op's inputs marked), one backward covers all the uses,
+    so each parameter is accumulated once. ``before`` runs just before the
+    first backward (DDP arms its reducer there).
+    """
+    jobs = []
+    for use, got in zip(owners, grads, strict=True):
+        params = [p for p in use.params if p.requires_grad]
+        pairs = [(t, g) for t, g in zip(grad_tensors(use.output), got, strict=True) if g is not None]
+        if params and pairs:
+            jobs.append((params, pairs))
+    if joint and jobs:
+        unique = {id(p): p for params, _ in jobs for p in params}
+        jobs = [(list(unique.values()), [pair for _, pairs in jobs for pair in pairs])]
+    with direct_gradients_only():
+        for params, pairs in jobs:
+            if before is not None:
+                before()
+                before = None
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("linear", "gelu", "norm", "residual")
+KINDS = ("linear", "gelu", "norm", "residual", "twice")
 
 
 class Residual(nn.Module):
@@ -19,6 +19,18 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = x + self.down(F.gelu(self.up(x)))
+        return out
+
+
+class Twice(nn.Module):
+    """One linear applied twice: its second read of the weights depends on its first."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.proj(torch.tanh(self.proj(x)))
         return out
 
 
@@ -56,6 +68,8 @@ def layer(kind: str, d: int) -> nn.Module:
         return nn.GELU()
     if kind == "norm":
         return nn.LayerNorm(d)
+    if kind == "twice":
+        return Twice(d)
     return Residual(d)
 
 

@@ -175,6 +175,7 @@ def test_pipeline_of_two_by_two_replicas_equals_the_unsplit_model() -> None:
         Case(CHAIN, (0, 2, 4, 6, 8), "interleaved-1f1b", 2, 2, 10, clip=True),
         Case(CHAIN, (0, 4, 8), "1f1b", 1, 1, 6, clip=False),
         Case(CHAIN, (0, 6, 8), "gpipe", 1, 2, 8, clip=True, reduction="sum"),
+        Case(Chain(("twice", "norm", "twice"), seed=12), (0, 2, 3), "zero-bubble", 1, 3, 12, clip=False),
     ]
     check(cases, pp=2, dp=2)
 
