@@ -127,6 +127,8 @@ class Ties:
         """
         for i, copy in enumerate(self.copies):
             param = copy.param
+            if not param.requires_grad:  # frozen: no copy has a gradient, and none may get one
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             try:

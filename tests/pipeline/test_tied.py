@@ -150,3 +150,21 @@ def test_a_late_tied_copy_gives_a_named_timeout() -> None:
     messages = run_ranks(stalled_tie, 2, 8.0, timeout=90)
     assert messages[0].startswith("CommTimeoutError: rank 0 timed out after 3 s in the sum of the gradients of tied ")
     assert time.monotonic() - started < 60
+
+
+def frozen_tie() -> list[bool]:
+    torch.set_num_threads(1)
+    model = GPT(CONFIG, device="meta")
+    model.embed.tokens.weight.requires_grad_(False)  # the tied embedding and head, frozen
+    pipe = Pipeline(model, Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss, mesh=init_mesh(2),
+                    seed=5, timeout=30)  # fmt: skip
+    x, y = batches(4)[0]
+    pipe.step(x, y)
+    got = [p.grad is None for name, p in pipe.named_parameters() if name in TIED]
+    dist.destroy_process_group()
+    return got
+
+
+def test_a_frozen_tied_weight_gets_no_gradient_on_any_copy() -> None:
+    # A zero gradient would not do: weight decay would then move the frozen weight.
+    assert run_ranks(frozen_tie, 2) == {0: [True], 1: [True]}
