@@ -1,10 +1,9 @@
 """Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
 
 from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed
+from stagewise.comm.failures import LaunchError, RankFailure
 from stagewise.comm.launch import (
-    LaunchError,
     LaunchOptions,
-    RankFailure,
     StartMethod,
     free_port,
     launch,
@@ -12,7 +11,8 @@ from stagewise.comm.launch import (
 )
 from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
 from stagewise.comm.meta import TensorMeta
-from stagewise.comm.p2p import Payload, PayloadLayout, Pending, Receiving, Transport, as_tensors
+from stagewise.comm.p2p import Payload, PayloadLayout, Receiving, Transport, as_tensors
+from stagewise.comm.waits import Pending
 
 __all__ = [
     "Backend",

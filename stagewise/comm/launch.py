@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import multiprocessing
 import os
 import socket
@@ -13,17 +12,17 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Literal, TypedDict, TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from typing_extensions import Unpack
 
+from stagewise.comm.failures import LaunchError, failures_of, report
 from stagewise.comm.mesh import Layout
 
 T = TypeVar("T")
@@ -43,50 +42,6 @@ no report, so its peers wait this long for the agent to notice it first.
 
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "stagewise.comm")
 """Modules the fork server imports once, before it forks any process, with the launched function's own module."""
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """How one rank of a launched job failed."""
-
-    rank: int
-    """Global rank."""
-    exitcode: int | None
-    """Its exit code, negative for a signal; None for a rank that raised after the failure the agent noticed, and
-    that the agent stopped before it exited."""
-    message: str
-    """The exception (``ValueError: ...``) or the signal it died of."""
-    traceback: str
-    """The rank's Python traceback, or the end of its stderr, when there is one."""
-    where: str = ""
-    """Its place in the job, e.g. ``stage 1, replica 0``, when the launch was given the layout."""
-
-    @property
-    def who(self) -> str:
-        return f"rank {self.rank} ({self.where})" if self.where else f"rank {self.rank}"
-
-    @property
-    def how(self) -> str:
-        """``(exit code N): message``, or just ``: message`` when the exit code is not known."""
-        code = "" if self.exitcode is None else f" (exit code {self.exitcode})"
-        return f"{code}: {self.message}"
-
-
-class LaunchError(RuntimeError):
-    """A launched job failed; ``failures`` lists every failed rank, the first to fail first."""
-
-    def __init__(self, failures: Sequence[RankFailure]) -> None:
-        self.failures = tuple(failures)
-        first = self.failures[0]
-        lines = [f"{first.who} failed{first.how}"]
-        if first.traceback:
-            lines.append(first.traceback.rstrip())
-        for other in self.failures[1:]:
-            lines.append(f"{other.who} also failed{other.how}")
-        super().__init__("\n".join(lines))
-
-    def __reduce__(self) -> tuple[type[LaunchError], tuple[tuple[RankFailure, ...]]]:
-        return (LaunchError, (self.failures,))
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -109,75 +64,6 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-
-
-def _stderr_tail(log_dir: Path, local_rank: int, lines: int = 30) -> str:
-    # The latest attempt: attempt_10 comes after attempt_9.
-    logs = sorted(log_dir.glob(f"**/attempt_*/{local_rank}/stderr.log"), key=lambda p: int(p.parent.parent.name[8:]))
-    if not logs:
-        return ""
-    text = logs[-1].read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
-
-
-def _failed_at(failure: ProcessFailure) -> float:
-    """When a rank failed, to list the first failure first.
-
-    A rank that raised wrote an error file: its write time, finer than the
-    whole seconds the agent records. One without (killed by a signal) is the
-    failure the agent noticed, and it noticed it before any rank that raised
-    had exited (those wait :data:`FAILURE_GRACE`): it comes first.
-    """
-    if os.path.isfile(failure.error_file):
-        return os.stat(failure.error_file).st_mtime
-    return -math.inf
-
-
-def _raised_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) -> dict[int, ProcessFailure]:
-    """The ranks of the agent's last attempt that raised, but that the agent did not record.
-
-    The agent records only the first failed process it notices, and stops the
-    others. Every rank that raised left an error file in the last attempt's
-    folder of our log directory before it lingered (:data:`FAILURE_GRACE`).
-    """
-    attempts = [p for p in log_dir.glob("*/attempt_*") if p.name.removeprefix("attempt_").isdigit()]
-    if not failures or not attempts:
-        return {}
-    latest = max(attempts, key=lambda p: int(p.name.removeprefix("attempt_")))
-    rank, failure = next(iter(failures.items()))
-    offset = rank - failure.local_rank  # ranks of one node are consecutive
-    known = {f.local_rank for f in failures.values()}
-    found = {}
-    for error_file in latest.glob("*/error.json"):
-        local = error_file.parent.name
-        if local.isdigit() and int(local) not in known:
-            # The exit code is not known: the agent stopped it (pid and exit code here are placeholders).
-            found[offset + int(local)] = ProcessFailure(int(local), pid=-1, exitcode=1, error_file=str(error_file))
-    return found
-
-
-def _failures(err: ChildFailedError, log_dir: Path, layout: Layout | None = None) -> list[RankFailure]:
-    found = []
-    stopped = _raised_unrecorded(err.failures, log_dir)
-    every = {**err.failures, **stopped}
-    for rank, failure in sorted(every.items(), key=lambda item: (_failed_at(item[1]), item[0])):
-        message: Any = failure.message
-        if isinstance(message, dict):
-            text = str(message.get("message", ""))
-            trace = str(message.get("extraInfo", {}).get("py_callstack", ""))
-        else:
-            text, trace = str(message), ""
-        if not trace:
-            trace = _stderr_tail(log_dir, failure.local_rank)
-        where = ""
-        if layout is not None and 0 <= rank < layout.world_size:
-            place = layout.coords(rank)
-            where = f"stage {place.stage}, replica {place.replica}"
-        exitcode = None if rank in stopped else failure.exitcode
-        if exitcode is not None and exitcode < 0 and not text:
-            text = f"killed by signal {-exitcode}"
-        found.append(RankFailure(rank, exitcode, text, trace, where))
-    return found
 
 
 class LaunchOptions(TypedDict, total=False):
@@ -280,7 +166,7 @@ class _Returning:
                     f"called sys.exit({err.code!r}) instead of returning; return a value or raise an exception"
                 ) from err
         except Exception as err:
-            get_error_handler().record_exception(err)  # now: the agent may stop this process while it waits
+            report(err)  # now: the agent may stop this process while it waits
             time.sleep(self.grace)
             raise
 
@@ -396,5 +282,5 @@ def _run(
             with _environment(children):
                 result = elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
-            raise LaunchError(_failures(err, Path(logs), options.get("layout"))) from None
+            raise LaunchError(failures_of(err, Path(logs), options.get("layout"))) from None
     return dict(result or {})

@@ -6,15 +6,16 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 
-from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, first_line, timed_out
+from stagewise.comm.errors import CommError
 from stagewise.comm.meta import TensorMeta, decode, encode
+from stagewise.comm.waits import Pending, seconds, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -36,57 +37,6 @@ def as_tensors(payload: object) -> tuple[tuple[torch.Tensor, ...], bool]:
         f"a payload between stages must be a tensor or a non-empty tuple of tensors, got {kinds}; "
         "pass other values (ints, strings, None) to every stage some other way, or make them tensors"
     )
-
-
-def _seconds(timeout: float | timedelta) -> timedelta:
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {value.total_seconds()} s")
-    return value
-
-
-@dataclass
-class Pending:
-    """Sends in flight; :meth:`wait` bounds the wait by the transport's timeout."""
-
-    works: list[dist.Work]
-    rank: int
-    peer: int
-    what: str
-    timeout: timedelta
-    keep: list[torch.Tensor] = field(default_factory=list)
-    """The tensors being sent, kept alive until the sends complete."""
-
-    def wait(self) -> None:
-        for work in self.works:
-            _wait(work, rank=self.rank, peer=self.peer, what=self.what, timeout=self.timeout, sending=True)
-        self.works, self.keep = [], []
-
-
-def _wait(work: dist.Work, *, rank: int, peer: int, what: str, timeout: timedelta, sending: bool) -> None:
-    verb, direction = ("sending", "to") if sending else ("waiting for", "from")
-    try:
-        finished = work.wait(timeout)
-    except RuntimeError as err:
-        text = first_line(err)
-        if timed_out(err):
-            raise CommTimeoutError(
-                f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer} "
-                f"({text}); the peer may have hung or be waiting on something else",
-                rank=rank,
-                peer=peer,
-                what=what,
-            ) from err
-        raise PeerGoneError(
-            f"rank {rank} lost rank {peer} while {verb} {what}: {text}", rank=rank, peer=peer, what=what
-        ) from err
-    if finished is False:
-        raise CommTimeoutError(
-            f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer}",
-            rank=rank,
-            peer=peer,
-            what=what,
-        )
 
 
 PayloadLayout: TypeAlias = tuple[bool, tuple[TensorMeta, ...]]
@@ -129,6 +79,13 @@ class Transport:
     posted data receive, then the new data; the stream is no longer steady
     until two messages agree again.
 
+    A transport carries ``streams`` independent streams between each pair of
+    ranks (a pipeline's activations and gradients), each in order. Gloo keeps
+    them apart by tag; NCCL ignores tags and matches the messages between
+    two ranks in the order both post them, so where the backend is not gloo
+    (or with ``separate_streams=True``) each stream gets a process group of
+    its own, created collectively like ``dedicated``'s.
+
     With ``dedicated=True`` (gloo), the transport creates a process group of
     its own over ``group``'s ranks, collectively (every rank of the default
     group must construct it, in the same order), and steady messages are the
@@ -160,19 +117,30 @@ class Transport:
         device: torch.device | str = "cpu",
         timeout: float | timedelta = 300.0,
         dedicated: bool = False,
+        streams: int = 1,
+        separate_streams: bool | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Transport needs an initialised process group; call stagewise.comm.init_mesh first")
+        if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams must be an int >= 1, got {streams!r}")
         self.device = torch.device(device)
-        self.timeout = _seconds(timeout)
+        self.timeout = seconds(timeout)
         self.rank = dist.get_rank()
-        self.speculate = dist.get_backend(group) == "gloo"
+        backend = dist.get_backend(group)
+        self.speculate = backend == "gloo"
         self.standing = dedicated and self.speculate
         """Steady streams drop their control words (gloo, on a group of this transport's own)."""
+        ranks = None if group is None else dist.get_process_group_ranks(group)
         if self.standing:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
             group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
         self.group = group
+        self.streams = streams
+        separate = streams > 1 and (not self.speculate if separate_streams is None else separate_streams)
+        self._stream_groups: list[dist.ProcessGroup | None] = (
+            [dist.new_group(ranks, timeout=self.timeout, backend=backend) for _ in range(streams)] if separate else []
+        )
+        """With separate streams, each stream's own group: tags then tell only a control word from data."""
         self._coalesces = not self.speculate
         self._sent: dict[tuple[int, int], _Channel] = {}
         self._received: dict[tuple[int, int], _Channel] = {}
@@ -181,7 +149,17 @@ class Transport:
         self._receiving: set[tuple[int, int]] = set()
 
     def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
-        return [dist.P2POp(fn, t, peer, self.group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
+        group = self.group
+        if self._stream_groups:
+            group, tag = self._stream_groups[tag // 2], tag % 2
+        return [dist.P2POp(fn, t, peer, group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
+
+    def _check_stream(self, stream: int) -> None:
+        if not 0 <= stream < self.streams:
+            raise ValueError(
+                f"stream {stream} is not one of this transport's {self.streams}; "
+                f"use 0 .. {self.streams - 1}, or create the Transport with streams={stream + 1}"
+            )
 
     def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
         """Post ``ops`` in order: one coalesced batch where the backend batches (NCCL), else one by one."""
@@ -199,6 +177,7 @@ class Transport:
         the payload's tensors in place until the sends complete
         (:meth:`Pending.wait` or :meth:`wait_sends`).
         """
+        self._check_stream(stream)
         tensors, is_tuple = as_tensors(payload)
         if known:
             data = [t.detach().to(self.device).contiguous() for t in tensors]
@@ -254,6 +233,7 @@ class Transport:
         (peer, stream) may be outstanding: the next one's protocol depends on
         what this one brings.
         """
+        self._check_stream(stream)
         key = (src, stream)
         if key in self._receiving:
             raise RuntimeError(
@@ -269,7 +249,7 @@ class Transport:
 
     def _wait_all(self, works: Sequence[dist.Work], src: int, what: str) -> None:
         for work in works:
-            _wait(work, rank=self.rank, peer=src, what=what, timeout=self.timeout, sending=False)
+            wait_for(work, rank=self.rank, peer=src, what=what, timeout=self.timeout, sending=False)
 
     def _take(self, meta: TensorMeta) -> torch.Tensor:
         stack = self._pool.get((meta.dtype, meta.shape))

@@ -202,7 +202,7 @@ class Pipeline:
         self.ties.synchronise()
         peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
         # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
-        self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout), dedicated=True)
+        self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout), dedicated=True, streams=2)
         dp = self.mesh.layout.dp
         self.replicas = None
         if dp > 1:

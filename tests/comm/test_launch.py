@@ -17,7 +17,8 @@ from multiproc import finish, run_ranks, start_ranks
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from stagewise.comm import LaunchError, Layout, StartMethod, free_port, launch, launch_module
-from stagewise.comm.launch import _failures, cpu_shares
+from stagewise.comm.failures import failures_of, stderr_tail
+from stagewise.comm.launch import cpu_shares
 
 
 def report_rank() -> tuple[int, int, str, str, int, str | None]:
@@ -141,7 +142,7 @@ def test_the_rank_that_raised_first_is_named_first_even_when_the_agent_noticed_a
     _error_file(attempt / "1", "ValueError: rank one cannot go on", now)
     noticed = _error_file(attempt / "0", "RuntimeError: Connection closed by peer", now + 0.2)
     err = ChildFailedError("job", {2: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(noticed))})
-    failures = _failures(err, tmp_path, Layout(4, 1))
+    failures = failures_of(err, tmp_path, Layout(4, 1))
     assert [(f.rank, f.exitcode, f.message, f.where) for f in failures] == [
         (3, None, "ValueError: rank one cannot go on", "stage 3, replica 0"),  # stopped by the agent: no exit code
         (2, 1, "RuntimeError: Connection closed by peer", "stage 2, replica 0"),
@@ -159,7 +160,7 @@ def test_a_killed_rank_the_agent_noticed_comes_with_the_ranks_that_raised_after_
     _error_file(tmp_path / "job_x1" / "attempt_1" / "0", "PeerGoneError: rank 0 lost rank 1", killed.timestamp - 0.05)
     monkeypatch.chdir(tmp_path)
     _error_file(tmp_path / "elsewhere", "RuntimeError: not this job's", killed.timestamp)  # in the working folder
-    failures = _failures(ChildFailedError("job", {1: killed}), tmp_path)
+    failures = failures_of(ChildFailedError("job", {1: killed}), tmp_path)
     assert [(f.rank, f.exitcode, f.message) for f in failures] == [
         (1, -9, "Signal 9 (SIGKILL) received by PID 10"),
         (0, None, "PeerGoneError: rank 0 lost rank 1"),  # once: from the last attempt only
@@ -201,13 +202,11 @@ def test_bad_launch_arguments() -> None:
 
 
 def test_a_failure_report_quotes_the_latest_attempt(tmp_path: Path) -> None:
-    from stagewise.comm.launch import _stderr_tail
-
     for attempt in (2, 9, 10):
         folder = tmp_path / "run" / f"attempt_{attempt}" / "0"
         folder.mkdir(parents=True)
         (folder / "stderr.log").write_text(f"attempt {attempt}\n")
-    assert _stderr_tail(tmp_path, 0) == "attempt 10"
+    assert stderr_tail(tmp_path, 0) == "attempt 10"
 
 
 def test_two_local_nodes_form_one_job() -> None:

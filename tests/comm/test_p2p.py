@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -197,6 +198,52 @@ def test_waited_sends_and_old_shapes_are_let_go() -> None:
     # a receiver of ever new shapes (sequence lengths) keeps buffers of the most recent few only.
     left = run_ranks(varying_shapes, 2)
     assert left[0] <= 1 and 1 <= left[1] <= 8
+
+
+def crossed_streams(separate: bool) -> list[float]:
+    """Rank 0 sends on stream 1, then on stream 0; rank 1 posts its receives the other way round."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, streams=2, separate_streams=separate)
+    got: list[float] = []
+    for _ in range(3):  # the third message of each stream is steady
+        if dist.get_rank() == 0:
+            transport.send(torch.full((3,), 1.0), 1, what="gradient", stream=1)
+            transport.send(torch.full((2, 2), 2.0), 1, what="activation", stream=0)
+        else:
+            first = transport.irecv(0, what="activation", stream=0)
+            second = transport.irecv(0, what="gradient", stream=1)
+            got += [float(first.wait().sum()), float(second.wait().sum())]  # type: ignore[union-attr]
+    transport.wait_sends()
+    dist.barrier()
+    dist.destroy_process_group()
+    return got
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["tags", "groups"])
+def test_streams_stay_apart_whatever_the_order_of_posting(separate: bool) -> None:
+    # With separate streams each has a process group of its own and the same tags as the other, as on NCCL,
+    # which ignores tags: only the groups keep the messages apart.
+    assert run_ranks(crossed_streams, 2, separate)[1] == [8.0, 3.0] * 3
+
+
+def unknown_stream() -> list[str]:
+    init_mesh(1, timeout=30)
+    transport = Transport(timeout=30, streams=2)
+    messages = []
+    sending = functools.partial(transport.send, torch.ones(1), 0, what="x", stream=2)
+    receiving = functools.partial(transport.irecv, 0, what="x", stream=2)
+    for attempt in (sending, receiving):
+        try:
+            attempt()
+        except ValueError as err:
+            messages.append(str(err))
+    dist.destroy_process_group()
+    return messages
+
+
+def test_a_stream_the_transport_does_not_have_is_refused() -> None:
+    want = "stream 2 is not one of this transport's 2; use 0 .. 1, or create the Transport with streams=3"
+    assert run_ranks(unknown_stream, 1)[0] == [want, want]
 
 
 def reuse_buffers() -> tuple[bool, bool, bool]:

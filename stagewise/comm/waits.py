@@ -1,0 +1,64 @@
+"""Bounded waits on torch.distributed work: a timeout or a lost peer becomes an error that names what was awaited."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from stagewise.comm.errors import CommTimeoutError, PeerGoneError, first_line, timed_out
+
+
+def seconds(timeout: float | timedelta) -> timedelta:
+    """``timeout`` (seconds, or a timedelta) as a timedelta; refused unless positive."""
+    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if value.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {value.total_seconds()} s")
+    return value
+
+
+@dataclass
+class Pending:
+    """Sends in flight; :meth:`wait` bounds the wait by the transport's timeout."""
+
+    works: list[dist.Work]
+    rank: int
+    peer: int
+    what: str
+    timeout: timedelta
+    keep: list[torch.Tensor] = field(default_factory=list)
+    """The tensors being sent, kept alive until the sends complete."""
+
+    def wait(self) -> None:
+        for work in self.works:
+            wait_for(work, rank=self.rank, peer=self.peer, what=self.what, timeout=self.timeout, sending=True)
+        self.works, self.keep = [], []
+
+
+def wait_for(work: dist.Work, *, rank: int, peer: int, what: str, timeout: timedelta, sending: bool) -> None:
+    """Wait for ``work`` up to ``timeout``; a timeout or a lost peer is an error naming both ranks and ``what``."""
+    verb, direction = ("sending", "to") if sending else ("waiting for", "from")
+    try:
+        finished = work.wait(timeout)
+    except RuntimeError as err:
+        text = first_line(err)
+        if timed_out(err):
+            raise CommTimeoutError(
+                f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer} "
+                f"({text}); the peer may have hung or be waiting on something else",
+                rank=rank,
+                peer=peer,
+                what=what,
+            ) from err
+        raise PeerGoneError(
+            f"rank {rank} lost rank {peer} while {verb} {what}: {text}", rank=rank, peer=peer, what=what
+        ) from err
+    if finished is False:
+        raise CommTimeoutError(
+            f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer}",
+            rank=rank,
+            peer=peer,
+            what=what,
+        )
