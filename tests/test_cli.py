@@ -186,6 +186,11 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "resume needs checkpoint_dir" in capsys.readouterr().err
     assert main(["train", "--stop-after", "400"]) == 2
     assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err
+    for flag, value in (("--seq-len", "64"), ("--data", "books/")):
+        assert main(["train", "--model", "mlp-tiny", flag, value]) == 2
+        assert f"{flag} applies to the GPT presets, which read text; mlp-tiny trains on data of its own" in (
+            capsys.readouterr().err
+        )
     assert main(["train", "--no-weight-grad-fusion", "--weight-grad-pool", "2"]) == 2
     assert "weight_gradient_pool=2 pools fused weight gradients, but weight_gradient_fusion is off" in (
         capsys.readouterr().err

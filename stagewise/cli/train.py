@@ -14,7 +14,7 @@ import torch
 
 from stagewise.cli import args
 from stagewise.comm import Layout, launch
-from stagewise.models import PRESETS
+from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline, ScheduleName
 from stagewise.planner import load_plan
 from stagewise.train import Optimizer, Summary, TrainConfig, train
@@ -38,7 +38,9 @@ def add(commands: Any) -> None:
     p.add_argument("--schedule", default=d.schedule, choices=get_args(ScheduleName), help="pipeline schedule")
     p.add_argument("--microbatches", type=args.positive_int, default=d.microbatches, help="micro-batches per step")
     p.add_argument("--batch-size", type=args.positive_int, default=d.batch_size, help="global batch (samples)")
-    p.add_argument("--seq-len", type=args.positive_int, default=d.seq_len, help="tokens per sequence (GPT)")
+    p.add_argument(
+        "--seq-len", type=args.positive_int, default=None, help=f"tokens per sequence (GPT; default {d.seq_len})"
+    )
     p.add_argument("--steps", type=args.positive_int, default=d.steps, help="optimizer steps (the schedule's length)")
     p.add_argument("--stop-after", type=args.positive_int, default=None, help="end after this step (resume later)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine to lr/10)")
@@ -87,6 +89,8 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
     """The TrainConfig that ``stagewise train``'s parsed arguments ask for; a ``--plan`` sets the layout."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(ns).items() if k in names}
+    if values.get("seq_len") is None:
+        values.pop("seq_len", None)
     if ns.plan is not None:
         chosen = load_plan(ns.plan.read_text())
         for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size"):
@@ -95,6 +99,13 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
         values["partition"] = tuple(chosen["partition"])
         if chosen.get("seq_len"):
             values["seq_len"] = chosen["seq_len"]
+    model = values.get("model", TrainConfig.model)
+    if not isinstance(preset(model), GPTConfig) and (ns.seq_len is not None or ns.data is not None):
+        flag = "--seq-len" if ns.seq_len is not None else "--data"
+        raise ValueError(
+            f"{flag} applies to the GPT presets, which read text; {model} trains on data of its own: "
+            f"leave {flag} out, or choose a gpt-* model"
+        )
     return TrainConfig(**values)
 
 
