@@ -57,7 +57,10 @@ class LayerCost:
     saved_bytes: int
     """Bytes saved for backward, excluding parameters: what a stage holds per micro-batch in flight.
 
-    Attention counts as the fused kernel (output and log-sum-exp saved), on meta too."""
+    Attention counts as the fused kernel (output and log-sum-exp saved), on meta too. A tensor that two
+    consecutive layers both save (a ReLU's output, which the next linear saves as its input) counts in
+    each, so a stage's sum errs on the safe side: for chains of Linear and ReLU layers it is up to 1.6 times
+    what the stage holds. Pre-norm transformer blocks save no tensor twice."""
     time: float | None
     """Median forward plus backward seconds, when measured; None otherwise."""
     pooled_bytes: int = 0
