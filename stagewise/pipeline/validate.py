@@ -80,30 +80,43 @@ def _check_rank_order(schedule: Schedule, where: dict[Action, list[tuple[int, in
 
 
 def _check_message_order(schedule: Schedule) -> int:
-    """Messages between two ranks must be received in the order they are sent (NCCL matches them so)."""
-    sent: dict[tuple[int, int], list[str]] = defaultdict(list)
-    received: dict[tuple[int, int], list[str]] = defaultdict(list)
+    """Each stream between two ranks (activations, gradients) must be received in the order it is sent.
+
+    The transport keeps the streams apart (by tag on gloo, by a process group
+    each on NCCL, which matches messages in the order both ranks post them),
+    so only the order within a stream matters.
+    """
+    sent: dict[tuple[int, int, str], list[str]] = defaultdict(list)
+    received: dict[tuple[int, int, str], list[str]] = defaultdict(list)
     last = schedule.n_stages - 1
     for rank, actions in enumerate(schedule.ranks):
         for a in actions:
             s, mb = a.stage, a.microbatch
             if a.kind is Kind.F:
                 if s > 0 and schedule.rank_of(s - 1) != rank:
-                    received[(schedule.rank_of(s - 1), rank)].append(f"activation {s - 1}->{s} of micro-batch {mb}")
+                    received[(schedule.rank_of(s - 1), rank, "activations")].append(
+                        f"activation {s - 1}->{s} of micro-batch {mb}"
+                    )
                 if s < last and schedule.rank_of(s + 1) != rank:
-                    sent[(rank, schedule.rank_of(s + 1))].append(f"activation {s}->{s + 1} of micro-batch {mb}")
+                    sent[(rank, schedule.rank_of(s + 1), "activations")].append(
+                        f"activation {s}->{s + 1} of micro-batch {mb}"
+                    )
             elif a.kind.is_backward:
                 if s < last and schedule.rank_of(s + 1) != rank:
-                    received[(schedule.rank_of(s + 1), rank)].append(f"gradient {s + 1}->{s} of micro-batch {mb}")
+                    received[(schedule.rank_of(s + 1), rank, "gradients")].append(
+                        f"gradient {s + 1}->{s} of micro-batch {mb}"
+                    )
                 if s > 0 and schedule.rank_of(s - 1) != rank:
-                    sent[(rank, schedule.rank_of(s - 1))].append(f"gradient {s}->{s - 1} of micro-batch {mb}")
-    for pair, order in sent.items():
-        got = received.get(pair, [])
+                    sent[(rank, schedule.rank_of(s - 1), "gradients")].append(
+                        f"gradient {s}->{s - 1} of micro-batch {mb}"
+                    )
+    for (src, dst, stream), order in sent.items():
+        got = received.get((src, dst, stream), [])
         for n, (out, into) in enumerate(zip(order, got, strict=False)):
             if out != into:
                 raise ScheduleError(
-                    f"rank {pair[1]} receives from rank {pair[0]} out of order: message {n} sent is the {out}, "
-                    f"but rank {pair[1]} expects the {into}; messages between two ranks arrive in the order sent"
+                    f"rank {dst} receives the {stream} from rank {src} out of order: message {n} sent is the {out}, "
+                    f"but rank {dst} expects the {into}; each stream between two ranks arrives in the order sent"
                 )
     return sum(len(order) for order in sent.values())
 

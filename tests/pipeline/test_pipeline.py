@@ -16,7 +16,7 @@ from multiproc import run_ranks
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition, layers_of
-from stagewise.pipeline import Pipeline, Schedule, WeightGradientFusion, build, materialise_model
+from stagewise.pipeline import Pipeline, Schedule, WeightGradientFusion, build, materialise_model, validate
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2)  # 7 layers
 SPLITS = {1: (0, 7), 2: (0, 3, 7), 3: (0, 2, 5, 7)}
@@ -156,6 +156,36 @@ def test_checkpointing_custom_schedules_traces_and_refusals(tmp_path: Path) -> N
         assert any(e.get("cat") == "wait" for e in trace)
     assert "n_microbatches=9 is more than the batch of 7 inputs" in results[0]["errors"]["too_many_microbatches"]  # type: ignore[index]
     assert "n_microbatches=9 is more than the batch of 7 targets" in results[1]["errors"]["too_many_microbatches"]  # type: ignore[index]
+
+
+CROSSED = """rank 0: 0F0 0F1 2F0 2F1 2B0 0F2 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"""
+"""Interleaved on 2 ranks, rank 0 sending micro-batch 0's gradient (2B0) before micro-batch 2's activation (0F2),
+which rank 1 receives first: both streams run from rank 0 to rank 1, each in its own order."""
+
+
+def crossed_streams() -> dict[str, object]:
+    torch.set_num_threads(1)
+    chain = Chain(("linear", "residual", "norm", "linear", "gelu", "linear"), seed=8)
+    x, y = chain.batch(8, 0)
+    pipe = Pipeline(chain.build(), Partition.from_bounds((0, 2, 3, 5, 6)), schedule=Schedule.from_text(CROSSED),
+                    n_microbatches=4, loss_fn=mse, mesh=init_mesh(2, timeout=30), timeout=30)  # fmt: skip
+    loss = pipe.step(x, y).item()
+    grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    dist.destroy_process_group()
+    return {"loss": loss, "grads": grads}
+
+
+def test_a_schedule_whose_streams_cross_between_two_ranks_runs_and_equals_the_unsplit_model() -> None:
+    validate(Schedule.from_text(CROSSED))  # only the order within each stream matters
+    chain = Chain(("linear", "residual", "norm", "linear", "gelu", "linear"), seed=8)
+    want = reference(chain, 8, 1)
+    results = run_ranks(crossed_streams, 2)
+    assert results[0]["loss"] == pytest.approx(want["losses"][0], abs=1e-5)  # type: ignore[index]
+    grads = {**results[0]["grads"], **results[1]["grads"]}  # type: ignore[dict-item]
+    assert grads.keys() == want["grads"].keys()  # type: ignore[attr-defined]
+    for name, grad in want["grads"].items():  # type: ignore[attr-defined]
+        torch.testing.assert_close(grads[name], grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def last_stage_refuses(case: str) -> str:

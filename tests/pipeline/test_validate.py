@@ -58,8 +58,8 @@ def test_messages_out_of_order_between_two_ranks() -> None:
     broken = schedule("0F0 0F1 0B0 0B1", "1F1 1F0 1B0 1B1")
     with pytest.raises(
         ScheduleError,
-        match=r"rank 1 receives from rank 0 out of order: message 0 sent is the activation 0->1 of micro-batch 0, "
-        r"but rank 1 expects the activation 0->1 of micro-batch 1",
+        match=r"rank 1 receives the activations from rank 0 out of order: message 0 sent is the activation 0->1 of "
+        r"micro-batch 0, but rank 1 expects the activation 0->1 of micro-batch 1",
     ):
         validate(broken)
 
