@@ -10,7 +10,8 @@ from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.microbatch import LossReduction
-from stagewise.pipeline.pipe import NonFinite, NonFiniteLossError, Pipeline
+from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
+from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.pooling import free_pool, holdings, rank_pool
 from stagewise.pipeline.render import render, to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build

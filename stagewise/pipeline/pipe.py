@@ -6,7 +6,6 @@ import logging
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel, Replicas, combine_losses
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
+from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
 from stagewise.pipeline.render import to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName, build
 from stagewise.pipeline.stage import StageModule, materialise
@@ -27,21 +27,6 @@ from stagewise.pipeline.tied import Ties, retie
 from stagewise.pipeline.validate import validate
 
 log = logging.getLogger(__name__)
-
-NonFinite = Literal["raise", "skip"]
-"""What :meth:`Pipeline.step` does when the loss is NaN or infinite."""
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss of a step was NaN or infinite; the message names the step and the first bad micro-batch."""
-
-
-def _first_non_finite(losses: list[torch.Tensor]) -> int:
-    """The index of the first loss that is NaN or infinite, or -1; one device sync for all of them."""
-    if not losses:
-        return -1
-    finite = torch.stack([loss.reshape(()) for loss in losses]).isfinite()
-    return -1 if bool(finite.all()) else int((~finite).nonzero()[0])
 
 
 class Pipeline:
@@ -89,8 +74,9 @@ class Pipeline:
         trace: write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added).
         data_parallel: DDP's options for the replicas of each stage when the mesh has ``dp > 1``.
         nonfinite: when the loss is NaN or infinite, "raise" :class:`NonFiniteLossError` naming the step and
-            micro-batch (on every rank), or "skip" the step: its gradients are dropped (set to None, so the
-            optimizer's step changes nothing) and :attr:`skipped` is True.
+            micro-batch (on every rank), or "skip" the step: its gradients are dropped (gradients accumulated
+            over earlier steps are kept; with none, ``.grad`` is None, so the optimizer's step changes
+            nothing) and :attr:`skipped` is True.
         fuse_weight_gradients: how backwards accumulate the gradients of large linear weights
             (:class:`stagewise.pipeline.WeightGradientFusion`): straight into ``.grad`` (one GEMM per
             micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's
@@ -305,13 +291,15 @@ class Pipeline:
             tgs = split(self._to_device(targets), m, what="targets", reduction=self.loss_reduction)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
+        # A skipped step drops its own gradients only, not those accumulated over earlier steps.
+        earlier = EarlierGradients.copy(self.parameters()) if self.nonfinite == "skip" else None
         before = self.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
         with torch.enable_grad():
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
         self.ties.sum_gradients(before)
         self._record(result)
         self.steps += 1
-        bad = _first_non_finite(result.microbatch_losses)
+        bad = first_non_finite(result.microbatch_losses)
         loss = self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0, bad_microbatch=bad)
         self.skipped = not bool(torch.isfinite(loss))
         if self.skipped:
@@ -323,8 +311,8 @@ class Pipeline:
                     f"{message}; lower the learning rate, check the data, or pass nonfinite='skip' to drop such steps"
                 )
             log.warning("%s: skipping the step (its gradients are dropped)", message)
-            for param in self.parameters():
-                param.grad = None
+            assert earlier is not None  # copied above whenever skipping is allowed
+            earlier.restore(self.parameters())
         return loss
 
     def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:

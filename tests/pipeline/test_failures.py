@@ -61,6 +61,28 @@ def test_skip_drops_the_step_and_training_goes_on() -> None:
             assert torch.isfinite(after[name]).all() and not torch.equal(during[name], after[name]), name
 
 
+def accumulate_then_poison() -> dict[str, list[bool]]:
+    """A good step, then a poisoned one without zeroing the gradients: the first step's gradients must survive."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
+    pipe = Pipeline(model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss,
+                    mesh=init_mesh(2, timeout=60), timeout=20, nonfinite="skip")  # fmt: skip
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    pipe.step(x, y)
+    first = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    x[2, 0] = float("inf")
+    pipe.step(x, y)
+    kept = {n: [pipe.skipped, p.grad is not None and torch.equal(p.grad, first[n])] for n, p in pipe.named_parameters()}
+    dist.destroy_process_group()
+    return kept
+
+
+def test_a_skipped_step_keeps_the_gradients_of_earlier_steps() -> None:
+    for kept in run_ranks(accumulate_then_poison, 2, timeout=120).values():
+        assert kept and all(skipped and same for skipped, same in kept.values()), kept
+
+
 def without_pickle() -> int:
     """Training steps with every pickle entry point replaced by one that fails: the loop must not pickle."""
     import pickle

@@ -1,0 +1,44 @@
+"""What a step does with a NaN or infinite loss: raise naming where, or skip it without losing earlier gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+NonFinite = Literal["raise", "skip"]
+"""What :meth:`stagewise.Pipeline.step` does when the loss is NaN or infinite."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss of a step was NaN or infinite; the message names the step and the first bad micro-batch."""
+
+
+def first_non_finite(losses: list[torch.Tensor]) -> int:
+    """The index of the first loss that is NaN or infinite, or -1; one device sync for all of them."""
+    if not losses:
+        return -1
+    finite = torch.stack([loss.reshape(()) for loss in losses]).isfinite()
+    return -1 if bool(finite.all()) else int((~finite).nonzero()[0])
+
+
+@dataclass
+class EarlierGradients:
+    """Copies of the gradients accumulated over earlier steps, to restore if a step is skipped."""
+
+    kept: list[tuple[nn.Parameter, torch.Tensor]]
+
+    @classmethod
+    def copy(cls, params: Iterable[nn.Parameter]) -> EarlierGradients:
+        """Copy each parameter's gradient (a copy: the step accumulates into ``.grad`` in place)."""
+        return cls([(p, p.grad.detach().clone()) for p in params if p.grad is not None])
+
+    def restore(self, params: Iterable[nn.Parameter]) -> None:
+        """Drop the step's gradients and put the earlier ones back (None where there were none)."""
+        for param in params:
+            param.grad = None
+        for param, grad in self.kept:
+            param.grad = grad
