@@ -358,20 +358,27 @@ def test_zero_bubbles_w_adds_fused_gradients_once_and_runs_autograd_for_the_rest
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fusion", [None, WeightGradientFusion.every()], ids=["autograd", "fused"])
-def test_a_schedule_that_splits_some_backwards_and_not_others(fusion: WeightGradientFusion | None) -> None:
-    torch.manual_seed(4)
-    model = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3))
-    x, y = torch.randn(7, 6), torch.randn(7, 3)
-    want = [g / 7 for g in _autograd_grads(model, [x])]
-    schedule = Schedule.from_text("rank 0: 0F0 0B0 0F1 0I1 0F2 0W1 0B2")
-    validate(schedule)
+def _equals_autograd_alone(
+    model: nn.Module, schedule: Schedule, fusion: WeightGradientFusion | None, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """Run ``schedule`` (3 micro-batches) on one rank that holds all of ``model``: its gradients are autograd's."""
+    want = [g / len(x) for g in _autograd_grads(model, [x])]
     stage = StageModule(0, 0, layers_of(model), fusion=fusion)
     model.zero_grad(set_to_none=True)
     executor = Executor(schedule, 0, {0: stage}, _LocalTransport(), [0], fusion=fusion)  # type: ignore[arg-type]
     executor.run(schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
     for (name, param), grad in zip(stage.named_parameters(), want, strict=True):
         torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fusion", [None, WeightGradientFusion.every()], ids=["autograd", "fused"])
+def test_a_schedule_that_splits_some_backwards_and_not_others(fusion: WeightGradientFusion | None) -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3))
+    x, y = torch.randn(7, 6), torch.randn(7, 3)
+    schedule = Schedule.from_text("rank 0: 0F0 0B0 0F1 0I1 0F2 0W1 0B2")
+    validate(schedule)
+    _equals_autograd_alone(model, schedule, fusion, x, y)
 
 
 class ReadTwice(nn.Module):
@@ -390,13 +397,7 @@ def test_zero_bubbles_w_covers_every_read_of_a_parameter(fusion: WeightGradientF
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), ReadTwice(6))
     x, y = torch.randn(7, 6), torch.randn(7, 6)
-    want = [g / 7 for g in _autograd_grads(model, [x])]
-    stage = StageModule(0, 0, layers_of(model), fusion=fusion)
-    model.zero_grad(set_to_none=True)
-    executor = Executor(build("zero-bubble", 1, 3), 0, {0: stage}, _LocalTransport(), [0], fusion=fusion)  # type: ignore[arg-type]
-    executor.run(executor.schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
-    for (name, param), grad in zip(stage.named_parameters(), want, strict=True):
-        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
+    _equals_autograd_alone(model, build("zero-bubble", 1, 3), fusion, x, y)
 
 
 class CalledTwice(nn.Module):
@@ -417,13 +418,7 @@ def test_zero_bubbles_w_counts_a_parameter_read_on_top_of_its_own_reads_once(
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(6, 6), CalledTwice(6), nn.LayerNorm(6))
     x, y = torch.randn(7, 6), torch.randn(7, 6)
-    want = [g / 7 for g in _autograd_grads(model, [x])]
-    stage = StageModule(0, 0, layers_of(model), fusion=fusion)
-    model.zero_grad(set_to_none=True)
-    executor = Executor(build("zero-bubble", 1, 3), 0, {0: stage}, _LocalTransport(), [0], fusion=fusion)  # type: ignore[arg-type]
-    executor.run(executor.schedule.ranks[0], split(x, 3, what="x"), split(y, 3, what="y"), sum_of_squares)
-    for (name, param), grad in zip(stage.named_parameters(), want, strict=True):
-        torch.testing.assert_close(param.grad, grad, atol=1e-5, rtol=1e-5, msg=name)
+    _equals_autograd_alone(model, build("zero-bubble", 1, 3), fusion, x, y)
 
 
 def test_parameter_uses_records_each_read_once_with_what_it_computed() -> None:
