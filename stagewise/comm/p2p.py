@@ -24,6 +24,7 @@ Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
 
 _POOL_DEPTH = 4  # buffers kept per (dtype, shape); more are left to the allocator
 _POOL_SHAPES = 8  # (dtype, shape) pairs kept, the most recently released; older ones are dropped
+_PRUNE_AT = 16  # sends in flight before the waited ones are first dropped from the list
 
 
 def as_tensors(payload: object) -> tuple[tuple[torch.Tensor, ...], bool]:
@@ -146,6 +147,7 @@ class Transport:
         self._received: dict[tuple[int, int], _Channel] = {}
         self._pool: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
         self._in_flight: list[Pending] = []
+        self._prune_at = _PRUNE_AT
         self._receiving: set[tuple[int, int]] = set()
 
     def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
@@ -209,9 +211,12 @@ class Transport:
 
     def _start(self, ops: list[dist.P2POp], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
         pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep)
-        # Let go of the sends already waited for. (Gloo cannot tell whether a send has completed without
-        # waiting for it, so the others stay until wait_sends().)
-        self._in_flight = [p for p in self._in_flight if p.works]
+        if len(self._in_flight) >= self._prune_at:
+            # Let go of the sends already waited for, now and then (amortised: the list is rebuilt only when
+            # it doubles). Gloo cannot tell whether a send has completed without waiting for it, so the
+            # others stay until wait_sends().
+            self._in_flight = [p for p in self._in_flight if p.works]
+            self._prune_at = max(_PRUNE_AT, 2 * len(self._in_flight))
         self._in_flight.append(pending)
         return pending
 

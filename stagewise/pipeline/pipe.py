@@ -75,8 +75,8 @@ class Pipeline:
         data_parallel: DDP's options for the replicas of each stage when the mesh has ``dp > 1``.
         nonfinite: when the loss is NaN or infinite, "raise" :class:`NonFiniteLossError` naming the step and
             micro-batch (on every rank), or "skip" the step: its gradients are dropped (gradients accumulated
-            over earlier steps are kept; with none, ``.grad`` is None, so the optimizer's step changes
-            nothing) and :attr:`skipped` is True.
+            over earlier steps are kept, from a copy taken at the start of each step that finds some; with
+            none, ``.grad`` is None, so the optimizer's step changes nothing) and :attr:`skipped` is True.
         fuse_weight_gradients: how backwards accumulate the gradients of large linear weights
             (:class:`stagewise.pipeline.WeightGradientFusion`): straight into ``.grad`` (one GEMM per
             micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's

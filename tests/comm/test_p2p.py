@@ -178,10 +178,10 @@ def test_dedicated_transports_take_no_one_elses_messages() -> None:
 
 
 def varying_shapes() -> int:
-    """Rank 0 sends 20 payloads of growing length, waiting for each; rank 1 releases each after use."""
+    """Rank 0 sends 40 payloads of growing length, waiting for each; rank 1 releases each after use."""
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30, dedicated=True)
-    for n in range(1, 21):
+    for n in range(1, 41):
         if dist.get_rank() == 0:
             transport.send(torch.ones(n, 4), 1, what=f"length {n}").wait()
         else:
@@ -194,10 +194,10 @@ def varying_shapes() -> int:
 
 
 def test_waited_sends_and_old_shapes_are_let_go() -> None:
-    # A sender that waits for each send itself holds on to none of them (the last until the next send), and
-    # a receiver of ever new shapes (sequence lengths) keeps buffers of the most recent few only.
+    # A sender that waits for each send itself holds on to a bounded few of them (it lets go of them now and
+    # then), and a receiver of ever new shapes (sequence lengths) keeps buffers of the most recent few only.
     left = run_ranks(varying_shapes, 2)
-    assert left[0] <= 1 and 1 <= left[1] <= 8
+    assert left[0] <= 16 and 1 <= left[1] <= 8
 
 
 def crossed_streams(separate: bool) -> list[float]:
