@@ -198,9 +198,9 @@ class _Run:
         self.sync = sync_points(actions) if training and executor.replicas is not None else set()
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
+        """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
         self.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.I}
         """Forwards whose backward is split into I and W (a schedule may split some and not others)."""
-        """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
         fusion = executor.fusion if training else None
         self.pool = executor.pool if fusion is not None else 1
         """Flush the pooled weight gradients after every this many backwards; None: at the end of the step."""

@@ -112,18 +112,20 @@ class Ties:
                 dist.broadcast(copy.param.data, src=copy.source, group=copy.group)
 
     def set_aside(self) -> list[torch.Tensor | None]:
-        """Take the copies' gradients from before a step out of ``.grad``, for :meth:`sum_gradients` to add back."""
-        before = [copy.param.grad for copy in self.copies]
-        for copy in self.copies:
-            copy.param.grad = None
-        return before
+        """Copy the copies' gradients from before a step, for :meth:`sum_gradients` to leave out of the sum.
+
+        A copy, not the tensor: the step accumulates into ``.grad`` in place
+        (and under DDP's ``gradient_as_bucket_view`` the tensor is a view of a
+        bucket that DDP overwrites).
+        """
+        return [None if copy.param.grad is None else copy.param.grad.detach().clone() for copy in self.copies]
 
     def sum_gradients(self, before: Sequence[torch.Tensor | None] = ()) -> None:
         """Add the gradients of all copies of each shared parameter, on every rank that holds one.
 
-        ``before``: what :meth:`set_aside` took before the step. Every copy
-        already holds that same total, so it is added back after the sum,
-        not summed again.
+        ``before``: what :meth:`set_aside` copied before the step. Every copy
+        already held that same total, so it is taken out before the sum and
+        added back after it, not summed again.
         """
         for i, copy in enumerate(self.copies):
             param = copy.param
@@ -131,12 +133,14 @@ class Ties:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            earlier = before[i] if i < len(before) else None
+            if earlier is not None:
+                param.grad.sub_(earlier)
             try:
                 dist.all_reduce(param.grad, group=copy.group)
             except RuntimeError as err:
                 what = f"the sum of the gradients of tied parameter {copy.tie.names[0]!r}'s copies"
                 raise collective_failed(err, rank=self.rank, peer=copy.source, what=what, timeout=self.timeout) from err
-            earlier = before[i] if i < len(before) else None
             if earlier is not None:
                 param.grad.add_(earlier)
 

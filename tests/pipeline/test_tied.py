@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from multiproc import run_ranks
 from stagewise.comm import CommError, init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline, materialise_model
+from stagewise.pipeline import DataParallel, Pipeline, materialise_model
 
 STEPS = 3
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)
@@ -98,26 +99,31 @@ def test_tied_weights_with_two_replicas() -> None:
     check(run_ranks(train_tied, 4, "gpipe", (0, 3, 6), 2, 2, None, timeout=120), unsplit(8, clip=None))
 
 
-def accumulate_tied() -> dict[str, torch.Tensor]:
-    """Two steps without zeroing the gradients in between: each copy must hold the sum of both steps'."""
+def accumulate_tied(dp: int) -> dict[str, torch.Tensor]:
+    """Two steps without zeroing the gradients in between: each copy must hold the sum of both steps'.
+
+    With replicas, DDP's gradients are views of its buckets, which it overwrites at every step."""
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, dp, timeout=60)
+    ddp = DataParallel(gradient_as_bucket_view=True)
     pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
-                    mesh=mesh, seed=5, timeout=30)  # fmt: skip
-    for x, y in batches(4)[:2]:
-        pipe.step(x, y)
+                    mesh=mesh, seed=5, timeout=30, data_parallel=ddp)  # fmt: skip
+    for x, y in batches(4 * dp)[:2]:
+        share = slice(4 * mesh.replica, 4 * mesh.replica + 4)
+        pipe.step(x[share], y[share])
     grads = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
     dist.destroy_process_group()
     return grads
 
 
-def test_tied_gradients_accumulate_over_steps_like_the_unsplit_model() -> None:
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tied_gradients_accumulate_over_steps_like_the_unsplit_model(dp: int) -> None:
     model = materialise_model(GPT(CONFIG, device="meta"), seed=5)
-    for x, y in batches(4)[:2]:
+    for x, y in batches(4 * dp)[:2]:
         lm_loss(model(x), y).backward()
     want = {name: p.grad for name, p in model.named_parameters()}
-    results = run_ranks(accumulate_tied, 2)
-    assert TIED[0] in results[0] and TIED[1] in results[1]
+    results = run_ranks(accumulate_tied, 2 * dp, dp)
+    assert TIED[0] in results[0] and TIED[1] in results[2 * dp - 1]
     for got in results.values():
         for name, grad in got.items():
             torch.testing.assert_close(grad, want[TIED[0] if name in TIED else name], atol=1e-5, rtol=1e-5, msg=name)
