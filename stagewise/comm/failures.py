@@ -59,10 +59,15 @@ class LaunchError(RuntimeError):
         return (LaunchError, (self.failures,))
 
 
+def _attempt(folder: Path) -> int:
+    """The number of the agent's ``attempt_N`` folder (attempt_10 comes after attempt_9); -1 for another folder."""
+    number = folder.name.removeprefix("attempt_")
+    return int(number) if number.isdigit() else -1
+
+
 def stderr_tail(log_dir: Path, local_rank: int, lines: int = 30) -> str:
     """The last ``lines`` of a local rank's stderr in its latest attempt, from the agent's logs under ``log_dir``."""
-    # The latest attempt: attempt_10 comes after attempt_9.
-    logs = sorted(log_dir.glob(f"**/attempt_*/{local_rank}/stderr.log"), key=lambda p: int(p.parent.parent.name[8:]))
+    logs = sorted(log_dir.glob(f"**/attempt_*/{local_rank}/stderr.log"), key=lambda p: _attempt(p.parent.parent))
     if not logs:
         return ""
     text = logs[-1].read_text(errors="replace").splitlines()
@@ -89,10 +94,10 @@ def _raised_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) ->
     others. Every rank that raised left an error file in the last attempt's
     folder of our log directory before it lingered (:data:`stagewise.comm.launch.FAILURE_GRACE`).
     """
-    attempts = [p for p in log_dir.glob("*/attempt_*") if p.name.removeprefix("attempt_").isdigit()]
+    attempts = [p for p in log_dir.glob("*/attempt_*") if _attempt(p) >= 0]
     if not failures or not attempts:
         return {}
-    latest = max(attempts, key=lambda p: int(p.name.removeprefix("attempt_")))
+    latest = max(attempts, key=_attempt)
     rank, failure = next(iter(failures.items()))
     offset = rank - failure.local_rank  # ranks of one node are consecutive
     known = {f.local_rank for f in failures.values()}

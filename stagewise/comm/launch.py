@@ -236,9 +236,14 @@ def _run(
     device = options.get("device", "cpu")
     start_method = options.get("start_method", "spawn")
     is_host = options.get("is_host")
-    threads = options.get("threads", 1)
-    counts = [("nprocs", nprocs, 1), ("nnodes", nnodes, 1), ("max_restarts", max_restarts, 0)]
-    for name, value, least in [*counts, *([("threads", threads, 1)] if threads is not None else [])]:
+    counts: list[tuple[str, object, int]] = [
+        ("nprocs", nprocs, 1),
+        ("nnodes", nnodes, 1),
+        ("max_restarts", max_restarts, 0),
+    ]
+    if options.get("threads", 1) is not None:
+        counts.append(("threads", options.get("threads", 1), 1))
+    for name, value, least in counts:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if device not in ("cpu", "auto"):

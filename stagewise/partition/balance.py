@@ -245,10 +245,10 @@ def balance(
 def _check_range(w: FloatArray, total: float, speeds: FloatArray) -> None:
     """Refuse times that leave float64's normal range; warn when prefix sums lose small layers to rounding."""
     slowest, fastest = float(speeds.min()), float(speeds.max())
+    positive = w[w > 0]
+    smallest = float(positive.min()) if len(positive) else math.inf
     with np.errstate(over="ignore", under="ignore"):
-        longest = total / slowest
-        positive = w[w > 0]
-        shortest = float(positive.min()) / fastest if len(positive) else math.inf
+        longest, shortest = total / slowest, smallest / fastest
     if not math.isfinite(longest):
         raise ValueError(
             f"the weights' sum {total!r} over the slowest speed {slowest!r} overflows float64; "
@@ -256,10 +256,10 @@ def _check_range(w: FloatArray, total: float, speeds: FloatArray) -> None:
         )
     if shortest == 0:
         raise ValueError(
-            f"the smallest positive weight {float(positive.min())!r} over the fastest speed {fastest!r} underflows "
+            f"the smallest positive weight {smallest!r} over the fastest speed {fastest!r} underflows "
             "float64 to 0; scale the weights up or the speeds down (only their ratios matter)"
         )
-    if len(positive) and total / float(positive.min()) > _SPAN:
+    if total / smallest > _SPAN:
         prefix = np.cumsum(w, dtype=np.float64)
         recovered = np.diff(prefix, prepend=0.0)
         lost = int((np.abs(recovered - w) > 1e-6 * w).sum())
@@ -268,9 +268,9 @@ def _check_range(w: FloatArray, total: float, speeds: FloatArray) -> None:
                 "the weights span %.3g x (sum %.6g, smallest positive %.6g): float64 prefix sums change %d of %d "
                 "layers' weights by more than 1e-6 of themselves, so the split is exact only for the rounded sums; "
                 "merge the smallest layers or drop them",
-                total / float(positive.min()),
+                total / smallest,
                 total,
-                float(positive.min()),
+                smallest,
                 lost,
                 len(w),
             )
