@@ -338,8 +338,15 @@ class Pipeline:
         loss = (loss if loss is not None else torch.zeros((), device=self.device)).detach()
         loss = loss.to(self.device, torch.float32)
         smallest = largest = 0
+        seconds = self.mesh.timeout.total_seconds()
         if self.is_last and self.replicas is not None:
-            whole = combine_losses(loss, samples, group=self.mesh.dp_group, mean=self.loss_reduction == "mean")
+            group = self.mesh.dp_group
+            try:
+                whole = combine_losses(loss, samples, group=group, mean=self.loss_reduction == "mean")
+            except RuntimeError as err:
+                peer = next(r for r in dist.get_process_group_ranks(group) if r != self.mesh.rank)
+                what = "the all-gather of the replicas' losses"
+                raise collective_failed(err, rank=self.mesh.rank, peer=peer, what=what, timeout=seconds) from err
             loss, smallest, largest = whole.loss, whole.smallest, whole.largest
         values = [float(loss), smallest, largest, bad_microbatch]
         packet = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -347,7 +354,6 @@ class Pipeline:
         try:
             dist.broadcast(packet, src=last, group=self.mesh.pp_group)
         except RuntimeError as err:
-            seconds = self.mesh.timeout.total_seconds()
             what = f"the broadcast of the loss from rank {last}, the last stage's, along the pipeline"
             raise collective_failed(err, rank=self.mesh.rank, peer=last, what=what, timeout=seconds) from err
         smallest, largest = int(packet[1]), int(packet[2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,9 +16,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from stagewise.comm import LaunchError, init_mesh
+from stagewise.comm import CommError, LaunchError, init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion
+from stagewise.pipeline import pipe as pipe_module
 
 STEPS = 3
 CLIP = 0.3  # small enough to clip at every step
@@ -234,3 +236,33 @@ def test_replicas_with_different_batch_sizes_are_refused() -> None:
         assert any("the replicas' batches differ in size (4 to 6 samples)" in m for m in messages), messages
     else:
         raise AssertionError("uneven replica batches trained without an error")
+
+
+def late_replica_loss(seconds: float) -> str:
+    """Replica 1 reaches the all-gather of the losses ``seconds`` late; replica 0 must time out, naming it."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, 2, timeout=3)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
+                    mesh=mesh, timeout=3)  # fmt: skip
+    if mesh.replica == 1:
+        combine = pipe_module.combine_losses
+
+        def late(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds)
+            return combine(*args, **kwargs)
+
+        pipe_module.combine_losses = late  # type: ignore[assignment]
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+    except CommError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_late_replica_gives_a_named_timeout_in_the_loss_all_gather() -> None:
+    started = time.monotonic()
+    messages = run_ranks(late_replica_loss, 2, 8.0, timeout=90)
+    assert messages[0].startswith("CommTimeoutError: rank 0 timed out after 3 s in the all-gather of the replicas' "), (
+        messages
+    )
+    assert time.monotonic() - started < 60
