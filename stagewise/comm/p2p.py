@@ -3,45 +3,24 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
 
 from stagewise.comm.errors import CommError
 from stagewise.comm.meta import TensorMeta, decode, encode
+from stagewise.comm.payload import Payload, PayloadLayout, as_tensors, has_bytes
 from stagewise.comm.waits import Pending, seconds, wait_for
 
 log = logging.getLogger(__name__)
 
-Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
-"""What travels between stages: a tensor or a tuple of tensors."""
-
 _POOL_DEPTH = 4  # buffers kept per (dtype, shape); more are left to the allocator
 _POOL_SHAPES = 8  # (dtype, shape) pairs kept, the most recently released; older ones are dropped
 _PRUNE_AT = 16  # sends in flight before the waited ones are first dropped from the list
-
-
-def as_tensors(payload: object) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """The tensors of a payload and whether it was a tuple; anything else is a TypeError."""
-    if isinstance(payload, torch.Tensor):
-        return (payload,), False
-    if isinstance(payload, tuple) and payload and all(isinstance(t, torch.Tensor) for t in payload):
-        return payload, True
-    kinds = [type(v).__name__ for v in payload] if isinstance(payload, (tuple, list)) else type(payload).__name__
-    raise TypeError(
-        f"a payload between stages must be a tensor or a non-empty tuple of tensors, got {kinds}; "
-        "pass other values (ints, strings, None) to every stage some other way, or make them tensors"
-    )
-
-
-PayloadLayout: TypeAlias = tuple[bool, tuple[TensorMeta, ...]]
-"""Whether a payload is a tuple, and each tensor's metadata."""
 
 
 @dataclass
@@ -201,7 +180,7 @@ class Transport:
             assert channel.layout is not None
             data = [m.empty(self.device).zero_() for m in channel.layout[1]] + data
         ops = self._ops(dist.isend, control, to, 2 * stream) + self._ops(dist.isend, data, to, 2 * stream + 1)
-        channel.stable = same and _has_bytes(layout)  # a zero-byte stream has no data to wait on: never steady
+        channel.stable = same and has_bytes(layout)  # a zero-byte stream has no data to wait on: never steady
         channel.layout = layout
         return self._start(ops, to, what, control + data)
 
@@ -280,11 +259,6 @@ class Transport:
 
 
 _NO_CONTROL = torch.empty(0, dtype=torch.int64)
-
-
-def _has_bytes(layout: PayloadLayout) -> bool:
-    """Whether a payload of this layout has data to receive: without, only a control word can say it arrived."""
-    return any(math.prod(m.shape) for m in layout[1])
 
 
 class Receiving:
@@ -404,7 +378,7 @@ class Receiving:
                 t._receive(buffers, src, 2 * stream + 1, what)
         finally:
             t._receiving.discard((src, stream))
-        channel.stable = not words and _has_bytes(layout)
+        channel.stable = not words and has_bytes(layout)
         channel.layout = layout
         for b, m in zip(buffers, layout[1], strict=True):
             b.requires_grad_(m.requires_grad)
