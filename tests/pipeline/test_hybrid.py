@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from chains import Chain, mse
+from late import comm_error, late
 from multiproc import run_ranks
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from stagewise.comm import CommError, LaunchError, init_mesh
+from stagewise.comm import LaunchError, init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion
 from stagewise.pipeline import pipe as pipe_module
@@ -245,18 +246,8 @@ def late_replica_loss(seconds: float) -> str:
     pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
                     mesh=mesh, timeout=3)  # fmt: skip
     if mesh.replica == 1:
-        combine = pipe_module.combine_losses
-
-        def late(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(seconds)
-            return combine(*args, **kwargs)
-
-        pipe_module.combine_losses = late  # type: ignore[assignment]
-    try:
-        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
-    except CommError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
+        pipe_module.combine_losses = late(pipe_module.combine_losses, seconds)  # type: ignore[assignment]
+    return comm_error(lambda: pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
 
 
 def test_a_late_replica_gives_a_named_timeout_in_the_loss_all_gather() -> None:

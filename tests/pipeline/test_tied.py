@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from late import comm_error, late
 from multiproc import run_ranks
 
-from stagewise.comm import CommError, init_mesh
+from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition
 from stagewise.pipeline import DataParallel, Pipeline, materialise_model
@@ -136,19 +137,9 @@ def stalled_tie(seconds: float) -> str:
     pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
                     mesh=mesh, seed=5, timeout=3)  # fmt: skip
     if mesh.rank == 1:
-        summing = pipe.ties.sum_gradients
-
-        def late(before: Any = ()) -> None:
-            time.sleep(seconds)
-            summing(before)
-
-        pipe.ties.sum_gradients = late  # type: ignore[method-assign]
+        pipe.ties.sum_gradients = late(pipe.ties.sum_gradients, seconds)  # type: ignore[method-assign]
     x, y = batches(4)[0]
-    try:
-        pipe.step(x, y)
-    except CommError as err:
-        return f"{type(err).__name__}: {err}"
-    return "no error"
+    return comm_error(lambda: pipe.step(x, y))
 
 
 def test_a_late_tied_copy_gives_a_named_timeout() -> None:
