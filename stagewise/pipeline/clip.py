@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -11,13 +12,14 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 
 def clip_grad_norm_(
-    parameters: list[nn.Parameter],
+    parameters: Iterable[nn.Parameter],
     max_norm: float,
     norm_type: float = 2.0,
     *,
     group: dist.ProcessGroup,
-    counted: list[nn.Parameter] | None = None,
+    counted: Iterable[nn.Parameter] | None = None,
     error_if_nonfinite: bool = False,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Clip ``parameters``' gradients by the total norm of all gradients held across ``group``; returns that norm.
 
@@ -28,19 +30,28 @@ def clip_grad_norm_(
     is larger: the result of ``torch.nn.utils.clip_grad_norm_`` on the
     unsplit model. ``counted`` (by default all of ``parameters``) are those
     whose gradients count in the norm: leave out copies of a tied parameter
-    that another rank counts.
+    that another rank counts. A NaN gradient on any rank makes the total NaN,
+    as in torch. ``device`` is where a rank without gradients puts its share
+    of the all-reduce (the backend's device); by default its parameters'.
     """
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm must be >= 0 (0 zeroes the gradients, as in torch), got {max_norm}")
     p = float(norm_type)
     if not (p > 0 or math.isinf(p)):
         raise ValueError(f"norm_type must be positive or inf, got {norm_type}")
-    grads = [q.grad for q in (parameters if counted is None else counted) if q.grad is not None]
-    device = grads[0].device if grads else next((q.device for q in parameters), torch.device("cpu"))
+    params = list(parameters)  # read twice: once for the norm, once to scale
+    grads = [q.grad for q in (params if counted is None else counted) if q.grad is not None]
+    if grads:
+        device = grads[0].device
+    elif device is None:
+        device = next((q.device for q in params), torch.device("cpu"))
     local = (get_total_norm(grads, p) if grads else torch.zeros(())).to(device, torch.float64)
     if math.isinf(p):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
+        # A max drops NaN or keeps it depending on the order of its operands (gloo's std::max, NCCL's fmax):
+        # whether any rank has one travels as a flag of its own.
+        pair = torch.stack([local, torch.isnan(local).to(torch.float64)])
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+        total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
     else:
         power = local**p
         dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)
@@ -50,7 +61,7 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is {float(total)}, so they cannot be clipped; "
             "set error_if_nonfinite=False to clip anyway"
         )
-    with_grads = [q for q in parameters if q.grad is not None]
+    with_grads = [q for q in params if q.grad is not None]
     if with_grads:
         clip_grads_with_norm_(with_grads, max_norm, total.to(torch.float32))
     return total.to(torch.float32)

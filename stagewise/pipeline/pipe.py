@@ -380,7 +380,9 @@ class Pipeline:
         mine = list(self.parameters())
         counted = [p for p in mine if self.ties.counted(p)]
         group, strict = self.mesh.pp_group, error_if_nonfinite
-        return clip_grad_norm_(mine, max_norm, norm_type, group=group, counted=counted, error_if_nonfinite=strict)
+        return clip_grad_norm_(
+            mine, max_norm, norm_type, group=group, counted=counted, error_if_nonfinite=strict, device=self.device
+        )
 
     def predict(self, inputs: Payload | None) -> Payload | None:
         """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere."""
