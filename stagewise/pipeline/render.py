@@ -40,25 +40,32 @@ def render(timeline: Sequence[Event], path: str | Path, *, title: str | None = N
         raise ValueError("the timeline is empty; simulate a schedule first")
     out = Path(path)
     plt = _pyplot()
-    n_ranks = max(e.rank for e in timeline) + 1
+    ranks = sorted({e.rank for e in timeline})  # all of a pipeline's, or the one whose executed events these are
+    row = {r: i for i, r in enumerate(ranks)}
+    stages = {r: sorted({e.action.stage for e in timeline if e.rank == r}) for r in ranks}
     end = max(e.end for e in timeline)
-    per_rank = max(1, len({e.action.stage for e in timeline}) // n_ranks)
-    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.45 * end + 1.5)), 0.5 * n_ranks + 1.2))
+    fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.45 * end + 1.5)), 0.5 * len(ranks) + 1.2))
     for e in timeline:
-        chunk = e.action.stage // n_ranks
+        mine = stages[e.rank]
         ax.broken_barh(
             [(e.start, e.end - e.start)],
-            (e.rank - 0.4, 0.8),
+            (row[e.rank] - 0.4, 0.8),
             facecolors=COLOURS[e.action.kind],
             edgecolors="white",
-            alpha=1.0 - 0.45 * chunk / max(per_rank, 1),
+            alpha=1.0 - 0.45 * mine.index(e.action.stage) / len(mine),
         )
         ax.text(
-            (e.start + e.end) / 2, e.rank, str(e.action.microbatch), ha="center", va="center", fontsize=7, color="white"
+            (e.start + e.end) / 2,
+            row[e.rank],
+            str(e.action.microbatch),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
         )
-    ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)])
-    ax.set_ylim(n_ranks - 0.5, -0.5)
-    ax.set_xlim(0, end)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.set_ylim(len(ranks) - 0.5, -0.5)
+    ax.set_xlim(0, end if end > 0 else 1.0)
     ax.set_xlabel("time")
     kinds = sorted({e.action.kind for e in timeline}, key=lambda k: "FBIW".index(k.value))
     names = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input grad", Kind.W: "weight grad"}

@@ -10,12 +10,14 @@ from stagewise.pipeline.engine import Event, execute
 from stagewise.pipeline.validate import validate
 
 
-def _per_stage(field: str, values: float | Sequence[float], n: int) -> tuple[float, ...]:
+def _per_stage(field: str, values: float | Sequence[float], n: int, *, per: str = "stage") -> tuple[float, ...]:
+    """``values`` as ``n`` numbers >= 0, one ``per`` stage (or boundary between stages); one number for all."""
     out = (float(values),) * n if isinstance(values, (int, float)) else tuple(float(v) for v in values)
     if len(out) != n:
-        raise ValueError(f"{field} has {len(out)} entries for {n} stages; give one per stage (or one number)")
+        things = "stages" if per == "stage" else "boundaries between stages (one fewer than the stages)"
+        raise ValueError(f"{field} has {len(out)} entries for {n} {things}; give one per {per} (or one number)")
     if any(not v >= 0 for v in out):  # also refuses NaN
-        raise ValueError(f"{field} must be >= 0 for every stage, got {list(out)}")
+        raise ValueError(f"{field} must be >= 0 for every {per}, got {list(out)}")
     return out
 
 
@@ -74,7 +76,7 @@ class StageCosts:
             backward=b,
             input_grad=i,
             weight_grad=w,
-            transfer=_per_stage("transfer", transfer, max(n_stages - 1, 1)),
+            transfer=_per_stage("transfer", transfer, max(n_stages - 1, 1), per="boundary"),
             activation_bytes=None
             if activation_bytes is None
             else _per_stage("activation_bytes", activation_bytes, n_stages),

@@ -229,9 +229,17 @@ def failure(stage: StageModule, mb: int, data: object, err: BaseException) -> st
     tensors, _ = as_tensors(data)
     got = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
     source = f"which stage {stage.index - 1} sent" if stage.index > 0 else "the inputs passed to step()"
+    cause = str(err).strip().splitlines()[0]
+    hint = ""
+    if "leaf Variable that requires grad is being used in an in-place operation" in cause:
+        hint = (
+            f"; stage {stage.index}'s input is a leaf whose gradient the pipeline sends back, so its first layers "
+            "may not change it in place: set inplace=False on that op (ReLU(inplace=True) right after the cut, "
+            "say) or move the cut past it"
+        )
     return (
         f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
-        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {str(err).strip().splitlines()[0]}"
+        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {cause}{hint}"
     )
 
 

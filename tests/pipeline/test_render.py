@@ -24,6 +24,19 @@ def test_render_writes_a_picture(tmp_path: Path, suffix: str) -> None:
     assert len(data) > 5000
 
 
+def test_render_draws_one_ranks_executed_events_and_instant_actions(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    # A rank's own events (Pipeline.last_result.events) hold one rank of several stages: each stage shades by its
+    # place among that rank's stages, not by a rank count read off the events (which gave a negative alpha).
+    interleaved = simulate(build("interleaved-1f1b", 16, 4, n_virtual=4), StageCosts.of(16)).timeline
+    rank0 = [e for e in interleaved if e.rank == 0]
+    assert render(rank0, tmp_path / "rank0.png").stat().st_size > 5000
+    rank3 = [e for e in interleaved if e.rank == 3]
+    assert render(rank3, tmp_path / "rank3.png").stat().st_size > 5000
+    instant = simulate(build("1f1b", 2, 2), StageCosts.of(2, forward=0.0, backward=0.0)).timeline
+    assert render(instant, tmp_path / "instant.png").stat().st_size > 1000
+
+
 def test_render_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r"pip install 'stagewise\[plot\]'"):

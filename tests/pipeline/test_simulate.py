@@ -48,7 +48,8 @@ def test_split_backward_defaults() -> None:
         ({"forward": [1.0]}, r"forward has 1 entries for 2 stages"),
         ({"backward": -1.0}, r"backward must be >= 0 for every stage, got \[-1.0, -1.0\]"),
         ({"forward": float("nan")}, r"forward must be >= 0"),
-        ({"transfer": [1.0, 2.0]}, r"transfer has 2 entries for 1 stages"),
+        ({"transfer": [1.0, 2.0]}, r"transfer has 2 entries for 1 boundaries between stages \(one fewer than the "),
+        ({"transfer": [-1.0]}, r"transfer must be >= 0 for every boundary, got \[-1.0\]"),
     ],
 )
 def test_bad_costs(kwargs: dict[str, object], pattern: str) -> None:
