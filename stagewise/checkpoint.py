@@ -227,6 +227,37 @@ def _check_optimizer(
         )
 
 
+def _held_ties(pipe: Pipeline, model_state: Mapping[str, torch.Tensor], stored: Mapping[str, Any]) -> list[list[str]]:
+    """For each tied parameter this rank holds, the names it has in the checkpoint (two or more)."""
+    out = []
+    for tie in pipe.ties.shared:
+        names = [n for n in tie.names if MODEL + n in stored]
+        if len(names) > 1 and any(n in model_state for n in tie.names):
+            out.append(names)
+    return out
+
+
+def _optimizer_keys(pipe: Pipeline, stored: Mapping[str, Any]) -> dict[nn.Parameter, list[str]]:
+    """The stored optimizer entries of each of this rank's parameters.
+
+    A tied parameter's state was saved under whichever of its names the
+    saving rank knew it by (each copy's own): any of them will do, its own
+    name first, else the first in the model's order.
+    """
+    params = dict(pipe.named_parameters())
+    aliases = {name: tie.names for tie in pipe.ties.shared for name in tie.names}
+    by_name: dict[str, list[str]] = {}
+    for key in stored:
+        if key.startswith(OPTIM):
+            by_name.setdefault(key[len(OPTIM) :].rpartition("/")[0], []).append(key)
+    wanted: dict[nn.Parameter, list[str]] = {}
+    for name, param in params.items():
+        found = next((n for n in (name, *aliases.get(name, ())) if n in by_name), None)
+        if found is not None:
+            wanted[param] = by_name[found]
+    return wanted
+
+
 def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> Progress:
     """Load a checkpoint saved with any split into this pipeline (and optimizer); every rank calls it.
 
@@ -250,17 +281,18 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
     device = pipe.device
     rank = dist.get_rank() if dist.is_initialized() else 0
+    ties = _held_ties(pipe, model_state, stored)
+    for names in ties:  # each stored name of a tied parameter in a buffer of its own, to compare them
+        for name in names:
+            state[MODEL + name] = _empty_like_stored(stored[MODEL + name], MODEL + name, device)
     wanted: dict[nn.Parameter, list[str]] = {}
     if optimizer is not None:
         _check_optimizer(optimizer, reader, stored, path)
-        params = dict(pipe.named_parameters())
-        for key in stored:
-            if key.startswith(OPTIM):
-                name = key[len(OPTIM) :].rpartition("/")[0]
-                if name in params:
-                    scalar = not getattr(stored[key], "size", (0,))  # e.g. Adam's step stays on the CPU
-                    state[key] = _empty_like_stored(stored[key], key, torch.device("cpu") if scalar else device)
-                    wanted.setdefault(params[name], []).append(key)
+        wanted = _optimizer_keys(pipe, stored)
+        for keys in wanted.values():
+            for key in keys:
+                scalar = not getattr(stored[key], "size", (0,))  # e.g. Adam's step stays on the CPU
+                state[key] = _empty_like_stored(stored[key], key, torch.device("cpu") if scalar else device)
     state[PROGRESS] = torch.zeros(3, dtype=torch.int64)
     rng = f"rng/{rank}"
     if rng in stored:
@@ -269,6 +301,18 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
         dcp_load(state, storage_reader=reader)
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
         raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
+    differ = [names for names in ties if not all(torch.equal(state[MODEL + names[0]], state[MODEL + n]) for n in names)]
+    if not _everyone_agrees(not differ, device):
+        raise CheckpointError(
+            f"the checkpoint {path} holds different values for {', '.join(differ[0]) if differ else 'parameters'} "
+            "that this model ties into one (on some rank): it was saved from a model that does not tie them; "
+            "load a checkpoint of the same model"
+        )
+    with torch.no_grad():
+        for names in ties:
+            for name in names:
+                if name in model_state:
+                    model_state[name].copy_(state[MODEL + names[0]])
     if optimizer is not None:
         for param, keys in wanted.items():
             optimizer.state[param] = {k.rpartition("/")[2]: state[k] for k in keys}

@@ -87,6 +87,23 @@ def test_a_checkpoint_of_two_stages_resumes_with_other_splits(runs: dict[str, An
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_a_checkpoint_of_one_stage_resumes_tied_weights_on_two(runs: dict[str, Any], tmp_path: Path) -> None:
+    # One stage saves the tied embedding and head's optimizer state under the embedding's name only; the head's
+    # copy on the second stage must find it there, or it restarts AdamW from nothing and the copies drift apart.
+    root: Path = runs["root"]
+    one = dataclasses.replace(BASE, stages=1, stop_after=4, checkpoint_dir=str(tmp_path))
+    torch.testing.assert_close(launch_run(one), runs["whole"][:4], atol=1e-5, rtol=1e-5)
+    two = dataclasses.replace(BASE, stop_after=6, checkpoint_dir=str(tmp_path), resume=True)
+    torch.testing.assert_close(launch_run(two), runs["whole"][4:6], atol=1e-5, rtol=1e-5)
+    got = exported(tmp_path, 6, tmp_path / "six.pt")
+    torch.testing.assert_close(got["head.weight"], got["embed.tokens.weight"], atol=0, rtol=0)
+    want = dataclasses.replace(BASE, stop_after=6, checkpoint_dir=str(root / "six"))
+    launch_run(want)
+    ref = exported(root / "six", 6, root / "six.pt")
+    for name in ref:  # AdamW's normalised step magnifies rounding on small gradients (biases: 1.6e-5 after 6 steps)
+        torch.testing.assert_close(got[name], ref[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_the_export_loads_into_the_unsplit_model(runs: dict[str, Any]) -> None:
     root: Path = runs["root"]
     state = exported(root / "half", 4, root / "plain.pt")
@@ -136,6 +153,12 @@ def bad_checkpoints(root: str) -> dict[str, str]:
             checkpoint.load(path, pipe)
         except checkpoint.CheckpointError as err:
             messages[case] = str(err)
+    untied = dataclasses.replace(config, model="gpt-tiny", checkpoint_dir=str(base / "untied"))
+    train(untied)
+    try:  # the same keys, but two matrices where the tied model has one
+        checkpoint.load(checkpoint.latest(base / "untied"), pipe)  # type: ignore[arg-type]
+    except checkpoint.CheckpointError as err:
+        messages["untied into tied"] = str(err)
     blocked = base / "blocked"
     blocked.write_text("a file where the checkpoint folder should be")
     try:
@@ -155,6 +178,10 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert messages["truncated"].endswith("failed (corrupt or truncated?): EOFError")
     assert "posix.system is not allowed in a checkpoint's metadata" in messages["code in metadata"]
     assert "rank 0 cannot write checkpoints to" in messages["unwritable"]
+    assert (
+        "holds different values for embed.tokens.weight, head.weight that this model ties into one"
+        in (messages["untied into tied"])
+    )
     assert messages["other optimizer"].endswith(
         "holds AdamW state, but the optimizer is SGD; resume with AdamW (stagewise train --optimizer adamw), "
         "or start afresh in another checkpoint directory"
