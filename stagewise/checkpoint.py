@@ -178,7 +178,8 @@ def save(
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in complete(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:  # never the one just written, whatever newer ones lie beside it
+                shutil.rmtree(old, ignore_errors=True)
         log.info("saved %s", final)
     _barrier()
     return final

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -92,7 +93,9 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save every this many steps (and at the end); 0 only at the end."""
     resume: bool = False
-    """Continue from the latest complete checkpoint in ``checkpoint_dir``."""
+    """Continue from the latest complete checkpoint in ``checkpoint_dir``. Without it a run refuses a
+    ``checkpoint_dir`` that already holds checkpoints (an earlier run's), except when torchrun's agent has
+    restarted it after a failure: a restart always continues from the latest checkpoint."""
     trace: str | None = None
     """Write a Chrome/Perfetto trace of this run's last step here (one file per rank)."""
     timeout: float = 300.0
@@ -220,8 +223,7 @@ def _batches(loader: StageLoader, start: checkpoint.Progress) -> Iterator[tuple[
         epoch, first = epoch + 1, 0
 
 
-def _evaluate(pipe: Pipeline, data: Dataset[Any], config: TrainConfig) -> float:
-    loader = StageLoader.of(pipe, data, global_batch_size=config.batch_size, shuffle=False)
+def _evaluate(pipe: Pipeline, loader: StageLoader, config: TrainConfig) -> float:
     losses = []
     pipe.eval()
     for _, batch in zip(range(config.eval_batches), loader, strict=False):
@@ -282,15 +284,22 @@ def train(
     model_config = preset(config.model)
     train_data, val_data = _datasets(config, model_config)
     loader = StageLoader.of(pipe, train_data, global_batch_size=config.batch_size, seed=config.seed)
+    # Built now, so that a validation split too small for one batch fails before training, not after it.
+    val_loader = StageLoader.of(pipe, val_data, global_batch_size=config.batch_size, shuffle=False)
     optimizer = _optimizer(config, pipe)
     position = checkpoint.Progress(0, 0, 0)
-    if config.resume:
-        assert config.checkpoint_dir is not None
-        found = checkpoint.latest(config.checkpoint_dir)
+    found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
+    if config.resume or _restarted():
         if found is None:
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
             position = checkpoint.load(found, pipe, optimizer)
+    elif found is not None:
+        raise ValueError(
+            f"{config.checkpoint_dir} already holds checkpoints (the latest {found.name}), from an earlier run: "
+            "continue that run with resume (stagewise train --resume), or start this one in another checkpoint "
+            "directory (--checkpoint-dir DIR, or --no-checkpoints), or delete those checkpoints"
+        )
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
@@ -305,6 +314,7 @@ def train(
         if config.trace is not None and step == end - 1:
             pipe.trace = Path(config.trace)
         loss = float(pipe.step(batch.inputs, batch.targets))
+        pipe.trace = None  # the evaluation after it must not overwrite the step's trace
         if pipe.skipped:
             summary.skipped.append(step + 1)
         else:
@@ -317,12 +327,17 @@ def train(
         done = step + 1
         if on_step is not None:
             on_step(done, loss, seconds)
-        if done == end or (config.eval_every and done % config.eval_every == 0):
-            summary.evals.append((done, _evaluate(pipe, val_data, config)))
         if config.checkpoint_dir is not None and (
             done == end or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
             wraps = index + 1 == loader.steps_per_epoch
             progress = checkpoint.Progress(done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1)
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
+        if done == end or (config.eval_every and done % config.eval_every == 0):
+            summary.evals.append((done, _evaluate(pipe, val_loader, config)))
     return summary
+
+
+def _restarted() -> bool:
+    """Whether torchrun's elastic agent has restarted this job after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

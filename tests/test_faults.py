@@ -89,7 +89,10 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: P
 
 
 def interrupted(root: str) -> list[float]:
-    """Train with resume on; in the first attempt rank 1 dies after step 5 (the last checkpoint is step 4's)."""
+    """Train afresh; in the first attempt rank 1 dies after step 5 (the last checkpoint is step 4's).
+
+    The agent's restart resumes by itself: a restarted run continues from the latest checkpoint.
+    """
     torch.set_num_threads(1)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
 
@@ -97,7 +100,7 @@ def interrupted(root: str) -> list[float]:
         if first_attempt and int(os.environ["RANK"]) == 1 and step == 5:
             _die()
 
-    return train(dataclasses.replace(BASE, checkpoint_dir=root, resume=True), on_step=maybe_die).losses
+    return train(dataclasses.replace(BASE, checkpoint_dir=root), on_step=maybe_die).losses
 
 
 def straight(root: str) -> list[float]:

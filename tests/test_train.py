@@ -159,6 +159,12 @@ def bad_checkpoints(root: str) -> dict[str, str]:
         checkpoint.load(checkpoint.latest(base / "untied"), pipe)  # type: ignore[arg-type]
     except checkpoint.CheckpointError as err:
         messages["untied into tied"] = str(err)
+    try:  # a fresh run into the folder of an earlier one would mix the two runs' checkpoints
+        train(config)
+    except ValueError as err:
+        messages["fresh run into a used folder"] = str(err)
+    kept = checkpoint.save(base / "good", pipe, None, checkpoint.Progress(0, 0, 0), keep=1)
+    messages["older save kept"] = str(kept.is_dir())  # the newest beside it must not rotate it away
     blocked = base / "blocked"
     blocked.write_text("a file where the checkpoint folder should be")
     try:
@@ -178,14 +184,37 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert messages["truncated"].endswith("failed (corrupt or truncated?): EOFError")
     assert "posix.system is not allowed in a checkpoint's metadata" in messages["code in metadata"]
     assert "rank 0 cannot write checkpoints to" in messages["unwritable"]
-    assert (
-        "holds different values for embed.tokens.weight, head.weight that this model ties into one"
-        in (messages["untied into tied"])
-    )
+    ties = "holds different values for embed.tokens.weight, head.weight that this model ties into one"
+    assert ties in messages["untied into tied"]
+    used = "good already holds checkpoints (the latest step-00000001), from an earlier run: continue that run "
+    assert used in messages["fresh run into a used folder"]
+    assert messages["older save kept"] == "True"
     assert messages["other optimizer"].endswith(
         "holds AdamW state, but the optimizer is SGD; resume with AdamW (stagewise train --optimizer adamw), "
         "or start afresh in another checkpoint directory"
     )
+
+
+def tiny_validation(text: str) -> tuple[str, int]:
+    """Train on a text whose validation split is smaller than a batch: the error, and the steps run before it."""
+    torch.set_num_threads(1)
+    steps: list[int] = []
+    config = dataclasses.replace(BASE, stages=1, data=text, steps=4, checkpoint_dir=None)
+    try:
+        train(config, on_step=lambda step, loss, seconds: steps.append(step))
+    except ValueError as err:
+        return str(err), len(steps)
+    finally:
+        dist.destroy_process_group()
+    return "no error", len(steps)
+
+
+def test_a_validation_split_smaller_than_a_batch_fails_before_training(tmp_path: Path) -> None:
+    text = tmp_path / "small.txt"
+    text.write_text("".join(chr(97 + i % 26) for i in range(2000)))
+    message, steps = run_ranks(tiny_validation, 1, str(text), timeout=120)[0]
+    assert "fewer than one batch of 8" in message
+    assert steps == 0
 
 
 def fusions(configs: list[TrainConfig]) -> list[WeightGradientFusion | None]:

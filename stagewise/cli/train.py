@@ -188,7 +188,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.max_restarts:
             raise ValueError(
                 "--max-restarts applies when stagewise starts the processes; torchrun started these: "
-                "give torchrun --max-restarts, and stagewise train --resume --checkpoint-dir DIR"
+                "give torchrun --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
             )
         summary = run_rank(config)
         if int(os.environ.get("RANK", "0")) != 0:
@@ -198,8 +198,6 @@ def run(ns: argparse.Namespace) -> int:
         on_gpus = gpus >= config.world_size
         if ns.max_restarts and config.checkpoint_dir is None:
             raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
-        if ns.max_restarts:
-            config = dataclasses.replace(config, resume=True)  # a restart continues from the latest checkpoint
         results = launch(
             run_rank,
             config.world_size,
