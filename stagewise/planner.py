@@ -62,7 +62,7 @@ class Plan:
     def best(self) -> Option | None:
         return self.options[0] if self.options else None
 
-    def to_json(self, workload: Workload, *, model: str, seq_len: int | None) -> str:
+    def to_json(self, workload: Workload, *, model: str, seq_len: int | None, optimizer: str | None = None) -> str:
         """The best option as the JSON that ``stagewise train --plan`` reads."""
         best = self.best
         if best is None or best.partition is None:
@@ -78,6 +78,7 @@ class Plan:
                 "batch_size": workload.global_batch,
                 "seq_len": seq_len,
                 "activation_checkpointing": best.activation_checkpointing,
+                "optimizer": optimizer,
                 "partition": list(best.partition.bounds),
                 "predicted": {
                     "step_time": best.step_time,
@@ -275,7 +276,8 @@ def candidates(n_devices: int, n_layers: int, global_batch: int, *, max_microbat
                     continue
                 if pp == 1 and schedule != "1f1b":
                     continue  # one stage: every schedule is the same gradient accumulation
-                for ckpt in (False, True):
+                # A split backward (zero-bubble) does not combine with checkpointing: Pipeline refuses it.
+                for ckpt in (False,) if schedule == "zero-bubble" else (False, True):
                     out.append(Option(pp, dp, v, m, schedule, ckpt))
     return out
 

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from stagewise.cli import main
+from stagewise.cli import main, parser
+from stagewise.cli.train import config_of
 from stagewise.cluster import Cluster, Device, parse_devices
-from stagewise.models import preset
+from stagewise.models import build, preset
 from stagewise.partition import LayerCost
-from stagewise.planner import Option, evaluate, load_plan, plan
+from stagewise.planner import Option, candidates, evaluate, load_plan, plan
 from stagewise.workload import Workload, workload
 
 GiB = 2**30
@@ -107,3 +108,33 @@ def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pyt
     broken.write_text(json.dumps({"model": "gpt-tiny"}))
     assert main(["train", "--plan", str(broken)]) == 2
     assert "the plan lacks ['stages', 'dp'" in capsys.readouterr().err
+
+
+def test_candidates_never_pair_zero_bubble_with_checkpointing() -> None:
+    # Pipeline refuses a split backward with activation checkpointing, so train --plan could not run such a plan.
+    options = candidates(8, 24, 64)
+    assert any(o.schedule == "zero-bubble" for o in options)
+    assert not any(o.schedule == "zero-bubble" and o.activation_checkpointing for o in options)
+    assert any(o.schedule == "1f1b" and o.activation_checkpointing for o in options)
+
+
+def test_a_plan_counts_sgds_momentum_and_train_takes_its_optimizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    peaks = {}
+    for optimizer in ("adamw", "sgd"):
+        out = tmp_path / f"{optimizer}.json"
+        argv = ["plan", "--model", "gpt-tiny", "--gpus", "1", "--gpu-memory", "1GiB", "--global-batch", "8"]
+        assert main([*argv, "--seq-len", "32", "--optimizer", optimizer, "--json", str(out)]) == 0
+        chosen = json.loads(out.read_text())
+        assert chosen["optimizer"] == optimizer
+        predicted = chosen["predicted"]
+        peaks[optimizer] = predicted["rank_memory"][0] - predicted["rank_activation"][0]  # what the layout holds
+    param_bytes = 4 * sum(p.numel() for p in build("gpt-tiny", device="meta").parameters())
+    # AdamW keeps weights, gradients and two moments; SGD with momentum (train's) weights, gradients and momentum.
+    assert peaks["adamw"] - peaks["sgd"] == pytest.approx(param_bytes)
+    assert config_of(parser().parse_args(["train", "--plan", str(tmp_path / "sgd.json")])).optimizer == "sgd"
+    capsys.readouterr()
+    assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--stages", "7", "--schedule", "gpipe"]) == 2
+    err = capsys.readouterr().err
+    assert "--plan sets the layout, but --stages 7 (the plan's: 1), --schedule gpipe (the plan's: 1f1b) asks " in err

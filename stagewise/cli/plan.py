@@ -42,7 +42,6 @@ def add(commands: Any) -> None:
         "--profile-ranks", type=args.positive_int, default=1,
         help="with --profile: processes measuring at once, as many as the job's ranks sharing this machine",
     )  # fmt: skip
-    p.add_argument("--nodes", type=args.positive_int, default=1, help="nodes (for --link-bandwidth within a node)")
     p.add_argument("--global-batch", type=args.positive_int, default=64, help="samples per optimizer step")
     p.add_argument("--seq-len", type=args.positive_int, default=None, help="tokens per sample (GPT; preset's)")
     p.add_argument("--micro-batch", type=args.positive_int, default=1, help="samples per profiled micro-batch")
@@ -107,7 +106,7 @@ def _show(result: Plan, work: Workload, top: int) -> None:
 def run(ns: argparse.Namespace) -> int:
     model, sample, tokens = _model(ns)
     cluster = _cluster(ns)
-    state = 4.0 if ns.optimizer == "adamw" else 2.0
+    state = 4.0 if ns.optimizer == "adamw" else 3.0  # weights, gradients, and two moments or SGD's momentum
     if ns.profile and ns.profile_ranks > 1:
         if ns.model not in PRESETS:
             raise ValueError("--profile-ranks above 1 profiles presets only; profile MODULE:FACTORY with one rank")
@@ -146,7 +145,7 @@ def run(ns: argparse.Namespace) -> int:
         print("per rank: " + ", ".join(f"{format_bytes(m)} ({format_bytes(a)} activations)" for m, a in pairs))
     if ns.json is not None:
         seq = tokens if tokens > 1 else None
-        ns.json.write_text(result.to_json(work, model=ns.model, seq_len=seq) + "\n")
+        ns.json.write_text(result.to_json(work, model=ns.model, seq_len=seq, optimizer=ns.optimizer) + "\n")
         print(f"wrote {ns.json}")
     if ns.picture is not None and best.simulation is not None:
         render(best.simulation.timeline, ns.picture, title=f"{ns.model}: {best.describe()}")

@@ -92,13 +92,7 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
     if values.get("seq_len") is None:
         values.pop("seq_len", None)
     if ns.plan is not None:
-        chosen = load_plan(ns.plan.read_text())
-        for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size"):
-            values[key] = chosen[key]
-        values["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
-        values["partition"] = tuple(chosen["partition"])
-        if chosen.get("seq_len"):
-            values["seq_len"] = chosen["seq_len"]
+        values.update(_planned(load_plan(ns.plan.read_text()), values))
     model = values.get("model", TrainConfig.model)
     if not isinstance(preset(model), GPTConfig) and (ns.seq_len is not None or ns.data is not None):
         flag = "--seq-len" if ns.seq_len is not None else "--data"
@@ -107,6 +101,29 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
             f"leave {flag} out, or choose a gpt-* model"
         )
     return TrainConfig(**values)
+
+
+def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """The settings a plan makes; a flag set to something else than its default and the plan's is refused."""
+    planned = {key: chosen[key] for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches")}
+    planned["batch_size"] = chosen["batch_size"]
+    planned["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
+    planned["partition"] = tuple(chosen["partition"])
+    for key in ("seq_len", "optimizer"):  # plans of other presets, and older plans, may leave these out
+        if chosen.get(key):
+            planned[key] = chosen[key]
+    defaults = TrainConfig()
+    clashes = [
+        f"--{key.replace('_', '-')} {given[key]} (the plan's: {value})"
+        for key, value in planned.items()
+        if given.get(key) is not None and given[key] != getattr(defaults, key) and given[key] != value
+    ]
+    if clashes:
+        raise ValueError(
+            f"--plan sets the layout, but {', '.join(clashes)} asks for another; leave those flags out to train "
+            "the plan, or plan again with them (stagewise plan --json)"
+        )
+    return planned
 
 
 def _under_torchrun() -> bool:
