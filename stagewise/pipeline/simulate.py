@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.engine import Event, execute
@@ -12,13 +14,28 @@ from stagewise.pipeline.validate import validate
 
 def _per_stage(field: str, values: float | Sequence[float], n: int, *, per: str = "stage") -> tuple[float, ...]:
     """``values`` as ``n`` numbers >= 0, one ``per`` stage (or boundary between stages); one number for all."""
-    out = (float(values),) * n if isinstance(values, (int, float)) else tuple(float(v) for v in values)
+    if isinstance(values, numbers.Real):  # int, float and numpy's scalars
+        out = (float(values),) * n
+    else:
+        out = tuple(float(v) for v in cast("Sequence[float]", values))
     if len(out) != n:
         things = "stages" if per == "stage" else "boundaries between stages (one fewer than the stages)"
         raise ValueError(f"{field} has {len(out)} entries for {n} {things}; give one per {per} (or one number)")
     if any(not v >= 0 for v in out):  # also refuses NaN
         raise ValueError(f"{field} must be >= 0 for every {per}, got {list(out)}")
     return out
+
+
+def _rest(part: str, given: tuple[float, ...], backward: tuple[float, ...]) -> tuple[float, ...]:
+    """The other part of each stage's backward once ``part`` of it is ``given``: refused where it would be < 0."""
+    over = [s for s, (x, b) in enumerate(zip(given, backward, strict=True)) if x > b]
+    if over:
+        s = over[0]
+        raise ValueError(
+            f"{part} takes {given[s]:g} on stage {s}, more than the whole backward ({backward[s]:g}): I and W split "
+            "B, so neither exceeds it; give a larger backward, or both input_grad and weight_grad"
+        )
+    return tuple(b - x for x, b in zip(given, backward, strict=True))
 
 
 @dataclass(frozen=True)
@@ -68,9 +85,9 @@ class StageCosts:
         else:
             b = tuple(2.0 * x for x in f)
         if i is None:
-            i = tuple(x / 2 for x in b) if w is None else tuple(max(x - y, 0.0) for x, y in zip(b, w, strict=True))
+            i = tuple(x / 2 for x in b) if w is None else _rest("weight_grad", w, b)
         if w is None:
-            w = tuple(max(x - y, 0.0) for x, y in zip(b, i, strict=True))
+            w = _rest("input_grad", i, b)
         return cls(
             forward=f,
             backward=b,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from stagewise.pipeline import Schedule, StageCosts, build, simulate
@@ -42,6 +43,11 @@ def test_split_backward_defaults() -> None:
     assert StageCosts.of(2).backward == (2.0, 2.0)
 
 
+def test_costs_take_numpy_numbers() -> None:
+    costs = StageCosts.of(2, forward=np.float32(1.5), backward=np.float64(3.0), transfer=np.int64(1))
+    assert costs.forward == (1.5, 1.5) and costs.input_grad == (1.5, 1.5) and costs.transfer == (1.0,)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
@@ -50,6 +56,8 @@ def test_split_backward_defaults() -> None:
         ({"forward": float("nan")}, r"forward must be >= 0"),
         ({"transfer": [1.0, 2.0]}, r"transfer has 2 entries for 1 boundaries between stages \(one fewer than the "),
         ({"transfer": [-1.0]}, r"transfer must be >= 0 for every boundary, got \[-1.0\]"),
+        ({"input_grad": 5.0, "backward": 2.0}, r"input_grad takes 5 on stage 0, more than the whole backward \(2\)"),
+        ({"weight_grad": [1.0, 3.0]}, r"weight_grad takes 3 on stage 1, more than the whole backward \(2\)"),
     ],
 )
 def test_bad_costs(kwargs: dict[str, object], pattern: str) -> None:
