@@ -46,6 +46,8 @@ class Progress:
     """The epoch of the next batch."""
     batch: int
     """The index within that epoch of the next batch."""
+    batch_size: int | None = None
+    """The global batch size that ``batch`` counts in; None: not recorded (checkpoints from before it was)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -170,13 +172,20 @@ def save(
     if optimizer is not None:
         state.update(_optimizer_state(pipe, optimizer))
         state[OPTIMIZER] = torch.tensor(list(type(optimizer).__name__.encode()), dtype=torch.uint8)
-    state[PROGRESS] = torch.tensor([progress.step, progress.epoch, progress.batch], dtype=torch.int64)
+    position = [progress.step, progress.epoch, progress.batch, progress.batch_size or 0]
+    state[PROGRESS] = torch.tensor(position, dtype=torch.int64)
     state[f"rng/{rank}"] = torch.get_rng_state()
     dcp_save(state, storage_writer=FileSystemWriter(partial))
     _barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():  # saved again: set the old one aside whole, so no half-deleted folder ever looks complete
+            stale = final.with_name(final.name + ".old")
+            shutil.rmtree(stale, ignore_errors=True)
+            os.replace(final, stale)
         os.replace(partial, final)
+        for left in root.glob("step-*.*"):  # saves cut off before, and folders set aside
+            if left.is_dir() and left.suffix in (".partial", ".old"):
+                shutil.rmtree(left, ignore_errors=True)
         for old in complete(root)[:-keep] if keep > 0 else []:
             if old != final:  # never the one just written, whatever newer ones lie beside it
                 shutil.rmtree(old, ignore_errors=True)
@@ -294,7 +303,9 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
             for key in keys:
                 scalar = not getattr(stored[key], "size", (0,))  # e.g. Adam's step stays on the CPU
                 state[key] = _empty_like_stored(stored[key], key, torch.device("cpu") if scalar else device)
-    state[PROGRESS] = torch.zeros(3, dtype=torch.int64)
+    if PROGRESS not in stored:
+        raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
+    state[PROGRESS] = _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))  # 3 numbers, or 4
     rng = f"rng/{rank}"
     if rng in stored:
         state[rng] = _empty_like_stored(stored[rng], rng, torch.device("cpu"))
@@ -319,9 +330,9 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
             optimizer.state[param] = {k.rpartition("/")[2]: state[k] for k in keys}
     if rng in state:
         torch.set_rng_state(state[rng])
-    step, epoch, batch = (int(v) for v in state[PROGRESS])
+    step, epoch, batch, *size = (int(v) for v in state[PROGRESS])
     log.info("loaded %s: step %d", path, step)
-    return Progress(step, epoch, batch)
+    return Progress(step, epoch, batch, size[0] if size and size[0] else None)
 
 
 def export(path: str | Path, out: str | Path) -> Path:

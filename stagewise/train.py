@@ -294,6 +294,12 @@ def train(
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
             position = checkpoint.load(found, pipe, optimizer)
+            if position.batch_size not in (None, config.batch_size):
+                raise ValueError(
+                    f"the checkpoint {found} stopped at batch {position.batch} of epoch {position.epoch} in batches "
+                    f"of {position.batch_size} samples, but this run's batch size is {config.batch_size}; resume "
+                    f"with the same batch size (--batch-size {position.batch_size})"
+                )
     elif found is not None:
         raise ValueError(
             f"{config.checkpoint_dir} already holds checkpoints (the latest {found.name}), from an earlier run: "
@@ -331,7 +337,9 @@ def train(
             done == end or (config.checkpoint_every and done % config.checkpoint_every == 0)
         ):
             wraps = index + 1 == loader.steps_per_epoch
-            progress = checkpoint.Progress(done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1)
+            progress = checkpoint.Progress(
+                done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size
+            )
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
         if done == end or (config.eval_every and done % config.eval_every == 0):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))

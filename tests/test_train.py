@@ -163,7 +163,13 @@ def bad_checkpoints(root: str) -> dict[str, str]:
         train(config)
     except ValueError as err:
         messages["fresh run into a used folder"] = str(err)
+    try:  # the data position counts batches: another batch size would skip or reread samples
+        train(dataclasses.replace(config, batch_size=16, resume=True))
+    except ValueError as err:
+        messages["other batch size"] = str(err)
+    (base / "good" / "step-00000009.partial").mkdir()  # a save cut off earlier
     kept = checkpoint.save(base / "good", pipe, None, checkpoint.Progress(0, 0, 0), keep=1)
+    messages["cut-off save left"] = str((base / "good" / "step-00000009.partial").exists())
     messages["older save kept"] = str(kept.is_dir())  # the newest beside it must not rotate it away
     blocked = base / "blocked"
     blocked.write_text("a file where the checkpoint folder should be")
@@ -189,6 +195,11 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     used = "good already holds checkpoints (the latest step-00000001), from an earlier run: continue that run "
     assert used in messages["fresh run into a used folder"]
     assert messages["older save kept"] == "True"
+    assert messages["cut-off save left"] == "False"
+    assert messages["other batch size"].endswith(
+        "stopped at batch 1 of epoch 0 in batches of 8 samples, but this run's batch size is 16; resume with the "
+        "same batch size (--batch-size 8)"
+    )
     assert messages["other optimizer"].endswith(
         "holds AdamW state, but the optimizer is SGD; resume with AdamW (stagewise train --optimizer adamw), "
         "or start afresh in another checkpoint directory"
