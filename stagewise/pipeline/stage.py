@@ -232,6 +232,7 @@ def failure(stage: StageModule, mb: int, data: object, err: BaseException) -> st
     cause = str(err).strip().splitlines()[0]
     hint = ""
     if "leaf Variable that requires grad is being used in an in-place operation" in cause:
+        cause = cause.rstrip(".")
         hint = (
             f"; stage {stage.index}'s input is a leaf whose gradient the pipeline sends back, so its first layers "
             "may not change it in place: set inplace=False on that op (ReLU(inplace=True) right after the cut, "

@@ -94,10 +94,10 @@ def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half())
     x = torch.arange(32.0).reshape(8, 4)
     kept, first, second = run_ranks(views_of_inputs, 3)[2]  # type: ignore[misc]
-    with torch.no_grad():
-        torch.testing.assert_close(first, model(x), atol=1e-6, rtol=0)
+    with torch.no_grad():  # micro-batched GEMMs round differently from the whole batch's (up to 2e-6 here)
+        torch.testing.assert_close(first, model(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(first, kept, atol=0, rtol=0)
-        torch.testing.assert_close(second, model(x + 1), atol=1e-6, rtol=0)
+        torch.testing.assert_close(second, model(x + 1), atol=1e-5, rtol=1e-5)
 
 
 def misc(tmp: str) -> dict[str, object]:
