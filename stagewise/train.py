@@ -289,7 +289,7 @@ def train(
     optimizer = _optimizer(config, pipe)
     position = checkpoint.Progress(0, 0, 0)
     found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
-    if config.resume or _restarted():
+    if config.resume or (_restarted() and config.checkpoint_dir is not None):
         if found is None:
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
