@@ -111,6 +111,7 @@ def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, inpu
                 forward_flops=int(c.forward_flops * factor),
                 output_bytes=int(c.output_bytes * factor),
                 saved_bytes=int(saved),
+                shared_bytes=0 if checkpointing else int(c.shared_bytes * factor),  # each keeps its own input
                 time=None if c.time is None else c.time * factor,
                 pooled_bytes=int(c.pooled_bytes * factor),
             )
@@ -184,6 +185,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
             in_flight=peak_in_flight(schedule),
             pooled=tuple(float(c.pooled_bytes) for c in costs),
             holdings=holdings(schedule, checkpointing=ckpt),  # with Pipeline's default weight-gradient pool
+            shared=tuple(float(c.shared_bytes) for c in costs),
         ),
         capacities=[devices[schedule.rank_of(s)].memory / v - transient for s in range(n_stages)],
         transient=transient,
@@ -227,7 +229,7 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
         forward=[sum(seconds[i][0] for i in r) / speeds[s] for s, r in enumerate(stage)],
         backward=[sum(seconds[i][1] for i in r) / speeds[s] for s, r in enumerate(stage)],
         transfer=[cluster.link_latency + x / cluster.link_bandwidth for x in boundary] if n_stages > 1 else 0.0,
-        activation_bytes=[sum(costs[i].saved_bytes for i in r) for r in stage],
+        activation_bytes=[setting.memory.kept(r.start, r.stop) for r in stage],
     )
     result = simulate(sched, stage_costs)
     devices = setting.devices

@@ -91,11 +91,19 @@ def _memory_cost(model: MemoryModel) -> RangeCost:
     """The model as a range cost: activations and pooled bytes, counted by each stage's fullest moment."""
     moments = [_extremes(model.moments(s)) for s in range(model.n_stages)]
     pooling = bool(model.pooled) and any(b for stage in moments for _, b in stage)
-    y = [np.asarray(model.activation, dtype=np.float64)]
+    activation = np.asarray(model.activation, dtype=np.float64)
+    heads: list[FloatArray | None] = []
+    if model.shared:  # what two neighbours save once: counted in the first layer of a stage only
+        shared = np.asarray(model.shared, dtype=np.float64)
+        shared[0] = 0.0  # nothing comes before the first layer
+        activation, heads = activation - shared, [shared]
+    y = [activation]
     if pooling:
         y.append(np.asarray(model.pooled, dtype=np.float64))
+        heads += [None] if heads else []
     forms = [[(a, b) if pooling else (a,) for a, b in stage] for stage in moments]
-    return RangeCost.of_layers(np.asarray(model.fixed, dtype=np.float64), model.n_stages, y=y, forms=forms)
+    fixed = np.asarray(model.fixed, dtype=np.float64)
+    return RangeCost.of_layers(fixed, model.n_stages, y=y, forms=forms, heads=heads)
 
 
 def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str] | None) -> CapacityError:
@@ -288,8 +296,9 @@ def _check_model(field: str, model: MemoryModel, n_layers: int, n_stages: int) -
             f"{field} has in-flight counts for {model.n_stages} stages but n_stages is {n_stages}; "
             "build it with the same stage count"
         )
-    for name, values in (("fixed", model.fixed), ("activation", model.activation), ("pooled", model.pooled)):
-        if values or name != "pooled":
+    fields = (("fixed", model.fixed), ("activation", model.activation), ("pooled", model.pooled))
+    for name, values in (*fields, ("shared", model.shared)):
+        if values or name not in ("pooled", "shared"):
             _vector(f"{field}.{name}", values, length=n_layers)
     if not all(math.isfinite(q) for q in model.in_flight):
         raise ValueError(f"{field}.in_flight must be finite, got {list(model.in_flight)}")

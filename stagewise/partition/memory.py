@@ -46,6 +46,10 @@ class MemoryModel:
     holdings: tuple[tuple[Holding, ...], ...] = ()
     """Per stage: the moments that can be its fullest (``stagewise.pipeline.holdings`` works them out from a
     schedule and its weight-gradient pool); empty: ``Holding(in_flight[stage])`` alone."""
+    shared: tuple[float, ...] = ()
+    """Per layer: bytes of ``activation`` that the layer before it saves too (:attr:`LayerCost.shared_bytes`),
+    held once when both are on one stage; at most either layer's activation, and ignored for the first layer
+    (nothing comes before it). Empty: none."""
 
     def __post_init__(self) -> None:
         if len(self.fixed) != len(self.activation) or len(self.pooled) not in (0, len(self.fixed)):
@@ -55,6 +59,18 @@ class MemoryModel:
             )
         if any(q < 0 for q in self.in_flight):
             raise ValueError(f"in_flight must be >= 0 for every stage, got {list(self.in_flight)}")
+        if len(self.shared) not in (0, len(self.fixed)):
+            raise ValueError(
+                f"MemoryModel has {len(self.shared)} shared sizes for {len(self.fixed)} layers; give one per layer "
+                "or none"
+            )
+        for i in range(1, len(self.shared)):
+            most = min(self.activation[i - 1], self.activation[i])
+            if not 0 <= self.shared[i] <= most:  # also refuses NaN
+                raise ValueError(
+                    f"shared[{i}] = {self.shared[i]} must be between 0 and the activation of layer {i} and of the "
+                    f"layer before it ({most}): it is bytes both layers save"
+                )
         if self.holdings and len(self.holdings) != len(self.in_flight):
             raise ValueError(
                 f"MemoryModel has in-flight counts for {len(self.in_flight)} stages but holdings for "
@@ -76,9 +92,13 @@ class MemoryModel:
         """The moments that can be ``stage``'s fullest."""
         return self.holdings[stage] if self.holdings else (Holding(self.in_flight[stage]),)
 
+    def kept(self, start: int, stop: int) -> float:
+        """Activation bytes that layers ``start:stop`` save for one micro-batch, a tensor two of them save once."""
+        return sum(self.activation[start:stop]) - sum(self.shared[start + 1 : stop])
+
     def stage_bytes(self, stage: int, start: int, stop: int) -> float:
         """Bytes that layers ``start:stop`` need when they form stage ``stage``."""
-        kept = sum(self.activation[start:stop])
+        kept = self.kept(start, stop)
         pooled = sum(self.pooled[start:stop])
         return sum(self.fixed[start:stop]) + max(h.in_flight * kept + h.pooled * pooled for h in self.moments(stage))
 
@@ -131,4 +151,5 @@ def memory_model(
         in_flight=in_flight(schedule, n_stages, n_microbatches),
         pooled=tuple(float(c.pooled_bytes) for c in costs) if holdings is not None else (),
         holdings=() if holdings is None else tuple(tuple(moments) for moments in holdings),
+        shared=tuple(float(c.shared_bytes) for c in costs),
     )

@@ -55,14 +55,18 @@ class LayerCost:
     output_bytes: int
     """Bytes of the layer's output: what crosses a stage boundary placed after it."""
     saved_bytes: int
-    """Bytes saved for backward, excluding parameters: what a stage holds per micro-batch in flight.
+    """Bytes saved for backward, excluding parameters: what the layer alone holds per micro-batch in flight.
 
     Attention counts as the fused kernel (output and log-sum-exp saved), on meta too. A tensor that two
     consecutive layers both save (a ReLU's output, which the next linear saves as its input) counts in
-    each, so a stage's sum errs on the safe side: for chains of Linear and ReLU layers it is up to 1.6 times
-    what the stage holds. Pre-norm transformer blocks save no tensor twice."""
+    each layer's; :attr:`shared_bytes` says how much, so that a stage counts it once."""
     time: float | None
     """Median forward plus backward seconds, when measured; None otherwise."""
+    shared_bytes: int = 0
+    """Bytes of :attr:`saved_bytes` that the layer before saves too: the layer's input, where both keep it.
+
+    A stage of layers ``a .. b`` holds ``sum(saved_bytes) - sum(shared_bytes of a + 1 .. b)`` per micro-batch
+    (its first layer's input comes from another stage, so nothing before it shares it)."""
     pooled_bytes: int = 0
     """Bytes a pooled weight gradient keeps for one micro-batch until its pool is flushed.
 
@@ -252,11 +256,13 @@ def profile(
     _tensors(sample, "sample")
     current: Payload = _like(sample, lambda t: t.to(target))
     costs: list[LayerCost] = []
+    kept_outputs: list[bool] = []  # which of the previous layer's output tensors it saved for backward
     for layer in tqdm(layers, desc="profiling", disable=not progress, unit="layer"):
         work = _materialise(layer.module, target)
         work.train()
         saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
         inputs = _fresh(current)
+        in_storages = [t.untyped_storage() for t in _tensors(inputs, "sample")]
         with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), FusedAttentionOnMeta(), pooled:
                 output = work(inputs)
@@ -264,6 +270,12 @@ def profile(
             forward_flops = counter.get_total_flops()
             _backward(output)
             total_flops = counter.get_total_flops()
+        shared = sum(
+            storage.nbytes()
+            for storage, before in zip(in_storages, kept_outputs, strict=False)
+            if before and storage in saved.storages
+        )
+        kept_outputs = [t.untyped_storage() in saved.storages for t in outs]
         elapsed = _time(work, current, target, warmup, repeats) if time else None
         params = list(layer.module.parameters())
         costs.append(
@@ -277,6 +289,7 @@ def profile(
                 output_bytes=sum(t.numel() * t.element_size() for t in outs),
                 saved_bytes=saved.total,
                 time=elapsed,
+                shared_bytes=shared,
                 pooled_bytes=pooled.total,
             )
         )

@@ -34,9 +34,13 @@ class RangeCost:
     ``held`` is the largest, over the stage's forms ``f``, of
     ``sum over t of forms[j][f][t] * sum y_t``: per-layer quantities ``y_t``
     (activation bytes per micro-batch, say) counted as many times as each
-    moment of the stage holds them, the worst moment counting. Sums come from
-    prefix arrays, so every cost is computed by one fixed formula; the
-    solver's comparisons and the reported loads therefore agree to the bit.
+    moment of the stage holds them, the worst moment counting. A ``y_t`` with
+    a head adds ``head_t[start]`` to its sum over a non-empty range: what the
+    range's first layer holds on top of its ``y_t`` because no layer before it
+    shares it (bytes two neighbouring layers save, counted in the second's
+    head). Sums come from prefix arrays, so every cost is computed by one
+    fixed formula; the solver's comparisons and the reported loads therefore
+    agree to the bit. A head must keep costs monotone: ``0 <= head[i] <= y[i - 1]``.
     """
 
     x_prefix: FloatArray
@@ -49,6 +53,8 @@ class RangeCost:
     """Per-stage divisor (a stage's speed, or 1)."""
     scale: FloatArray | None = None
     """Each stage's one multiplier, when every stage has one form of one term (the common case); None otherwise."""
+    heads: tuple[FloatArray | None, ...] = ()
+    """Per ``y_t``: what a range starting at each layer adds to its sum, or None; empty: no heads."""
 
     @staticmethod
     def of_layers(
@@ -58,8 +64,9 @@ class RangeCost:
         y: Sequence[FloatArray] = (),
         forms: Sequence[Sequence[Sequence[float]]] = (),
         divisor: FloatArray | None = None,
+        heads: Sequence[FloatArray | None] = (),
     ) -> RangeCost:
-        """Build from per-layer ``x`` and ``y_t``, and each stage's forms (one multiplier per ``y_t`` each)."""
+        """Build from per-layer ``x`` and ``y_t``, each stage's forms (one multiplier per ``y_t`` each) and heads."""
 
         def prefix(values: FloatArray) -> FloatArray:
             return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
@@ -69,6 +76,8 @@ class RangeCost:
             raise ValueError(f"give one or more forms for each of the {n_stages} stages, got {len(shaped)} stages")
         if any(len(form) != len(y) for stage in shaped for form in stage):
             raise ValueError(f"every form needs one multiplier per per-layer term ({len(y)})")
+        if heads and len(heads) != len(y):
+            raise ValueError(f"give one head (or None) per per-layer term ({len(y)}), got {len(heads)}")
         simple = len(y) == 1 and all(len(stage) == 1 for stage in shaped)
         return RangeCost(
             x_prefix=prefix(x),
@@ -76,6 +85,9 @@ class RangeCost:
             forms=shaped if y else (),
             divisor=np.ones(n_stages, dtype=np.float64) if divisor is None else np.asarray(divisor, dtype=np.float64),
             scale=np.array([stage[0][0] for stage in shaped], dtype=np.float64) if simple else None,
+            heads=tuple(None if h is None else np.asarray(h, dtype=np.float64) for h in heads)
+            if any(h is not None for h in heads)
+            else (),
         )
 
     @property
@@ -87,19 +99,25 @@ class RangeCost:
         """Whether the cost is a weighted sum of ``x`` alone, which prefix-sum searches can invert."""
         return not self.y_prefix
 
+    def _sum(self, t: int, start: int, stop: int) -> Any:
+        """``y_t`` summed over layers ``start:stop``, with the head of ``start`` when the range is not empty."""
+        y = self.y_prefix[t]
+        head = self.heads[t] if self.heads else None
+        if head is None or stop <= start:
+            return y[stop] - y[start]
+        return y[stop] - y[start] + head[start]
+
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
         total = self.x_prefix[stop] - self.x_prefix[start]
         if self.y_prefix:
             if self.scale is not None:  # the common case, in the solver's inner loop
-                y = self.y_prefix[0]
-                total = total + self.scale[stage] * (y[stop] - y[start])
+                total = total + self.scale[stage] * self._sum(0, start, stop)
             elif len(self.y_prefix) == 2:  # activations and pooled bytes: the same sums as _weighted, inlined
-                y, z = self.y_prefix
-                dy, dz = y[stop] - y[start], z[stop] - z[start]
+                dy, dz = self._sum(0, start, stop), self._sum(1, start, stop)
                 total = total + max(a * dy + b * dz for a, b in self.forms[stage])
             else:
-                sums = [y[stop] - y[start] for y in self.y_prefix]
+                sums = [self._sum(t, start, stop) for t in range(len(self.y_prefix))]
                 total = total + max(_weighted(form, sums) for form in self.forms[stage])
         return float(total / self.divisor[stage])
 
@@ -109,6 +127,9 @@ class RangeCost:
         total = self.x_prefix[start + 1 : stop + 1] - self.x_prefix[start:stop]
         if self.y_prefix:
             sums = [y[start + 1 : stop + 1] - y[start:stop] for y in self.y_prefix]
+            for t, head in enumerate(self.heads):
+                if head is not None:
+                    sums[t] = sums[t] + head[start:stop]
             total = total + functools.reduce(np.maximum, (_weighted(form, sums) for form in self.forms[stage]))
         out: FloatArray = total / self.divisor[stage]
         return out

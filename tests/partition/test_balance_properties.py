@@ -24,9 +24,10 @@ def need(memory: MemoryModel, stage: int, start: int, stop: int) -> float:
     """The documented bytes of layers ``start:stop`` as ``stage``: fixed, plus its fullest moment."""
     moments = memory.holdings[stage] if memory.holdings else (Holding(memory.in_flight[stage]),)
     pooled = memory.pooled or (0.0,) * memory.n_layers
-    fullest = max(
-        sum(h.in_flight * memory.activation[i] + h.pooled * pooled[i] for i in range(start, stop)) for h in moments
-    )
+    shared = memory.shared or (0.0,) * memory.n_layers
+    # A tensor that two neighbouring layers of the stage save is held once: the second's shared bytes go.
+    kept = sum(memory.activation[start:stop]) - sum(shared[i] for i in range(start + 1, stop))
+    fullest = max(h.in_flight * kept + h.pooled * sum(pooled[start:stop]) for h in moments)
     return sum(memory.fixed[start:stop]) + fullest
 
 
@@ -67,9 +68,13 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
     if with_capacities:
         pooling = draw(st.booleans())  # stages whose fullest moment may hold pooled weight gradients
         moment = st.builds(Holding, st.integers(0, 4), st.integers(0, 4))
+        activation = draw(st.lists(small_int, min_size=n, max_size=n))
+        sharing = draw(st.booleans())  # neighbours that save a tensor both, held once on one stage
+        shared = [0.0] + [float(draw(st.integers(0, int(min(a, b))))) for a, b in itertools.pairwise(activation)]
         memory = MemoryModel(
             fixed=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
-            activation=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
+            activation=tuple(activation),
+            shared=tuple(shared) if sharing else (),
             in_flight=tuple(draw(st.lists(st.integers(0, 4), min_size=k, max_size=k))),
             pooled=tuple(draw(st.lists(small_int, min_size=n, max_size=n))) if pooling else (),
             holdings=tuple(tuple(draw(st.lists(moment, min_size=1, max_size=3))) for _ in range(k)) if pooling else (),

@@ -65,6 +65,10 @@ def test_memory_model_bad_input() -> None:
         MemoryModel((1.0,), (1.0,), (1,), (1.0,), ((Holding(1, -1),),))
     with pytest.raises(ValueError, match=r"holdings\[0\] must be one or more moments"):
         MemoryModel((1.0,), (1.0,), (1,), (), ((),))
+    with pytest.raises(ValueError, match=r"3 shared sizes for 2 layers"):
+        MemoryModel((1.0, 1.0), (1.0, 1.0), (1,), shared=(0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"shared\[1\] = 3.0 must be between 0 and the activation of layer 1 and"):
+        MemoryModel((1.0, 1.0), (2.0, 5.0), (1,), shared=(0.0, 3.0))
 
 
 def test_a_stage_needs_its_fullest_moment() -> None:

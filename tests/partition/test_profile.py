@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from stagewise.models import GPT, GPTConfig
-from stagewise.partition import LayerCost, profile
+from stagewise.partition import LayerCost, memory_model, profile
 
 
 def test_linear_flops_params_and_bytes() -> None:
@@ -31,6 +31,46 @@ def test_linear_flops_params_and_bytes() -> None:
     assert relu.saved_bytes == 4 * batch * fan_out
     assert relu.params == 0 and relu.flops == 0
     assert linear.time is None
+
+
+def _held_for_backward(layers: list[nn.Module], x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd keeps when ``layers`` run one after another, parameters excluded."""
+    params = {p.untyped_storage() for layer in layers for p in layer.parameters()}
+    held: dict[torch.UntypedStorage, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage not in params:
+            held[storage] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for layer in layers:
+            x = layer(x)
+    return sum(held.values())
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_stage_counts_a_tensor_two_layers_save_once(device: str) -> None:
+    # ReLU and Tanh save their output, which the next Linear saves as its input: a stage holds it once.
+    d = 16
+    layers = [nn.Linear(d, d), nn.ReLU(), nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d), nn.GELU(),
+              nn.LayerNorm(d), nn.Linear(d, d)]  # fmt: skip
+    model = nn.Sequential(*layers).to(device)
+    sample = torch.randn(4, d, device=device)
+    costs = profile(model, sample)
+    assert [c.shared_bytes for c in costs] == [0, 0, 4 * 4 * d, 0, 4 * 4 * 2 * d, 0, 0, 0]
+    memory = memory_model(costs, 1)
+    inputs = [sample]
+    with torch.no_grad():
+        for layer in model:
+            inputs.append(layer(inputs[-1]))
+    for start in range(len(layers)):
+        for stop in range(start + 1, len(layers) + 1):
+            x = inputs[start].detach().requires_grad_()  # as the stage receives it
+            held = _held_for_backward(list(model)[start:stop], x)
+            assert memory.kept(start, stop) == held, (start, stop)
+    assert sum(c.saved_bytes for c in costs) > memory.kept(0, len(layers))
 
 
 class TiedPair(nn.Module):
