@@ -34,6 +34,10 @@ FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
 """Extra formulas for ``FlopCounterMode(custom_mapping=...)``."""
 
 
+_ATTENTION = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
+"""Attention as a model calls it, and as a traced graph (:func:`stagewise.partition.trace`) calls it."""
+
+
 class FusedAttentionOnMeta(TorchFunctionMode):
     """Runs ``scaled_dot_product_attention`` on meta tensors through the fused kernels' meta versions.
 
@@ -51,11 +55,12 @@ class FusedAttentionOnMeta(TorchFunctionMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if func is not F.scaled_dot_product_attention or not args or args[0].device.type != "meta":
+        if func not in _ATTENTION:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-        bound = dict(zip(names, args, strict=False)) | kwargs
-        if bound.get("enable_gqa", False):
+        bound = dict(zip(names, args, strict=False)) | kwargs  # passed by position or by name alike
+        query = bound.get("query")
+        if not isinstance(query, torch.Tensor) or query.device.type != "meta" or bound.get("enable_gqa", False):
             return func(*args, **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
         dropout = float(bound.get("dropout_p", 0.0))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from stagewise.models import GPT, GPTConfig
-from stagewise.partition import LayerCost, memory_model, profile
+from stagewise.partition import LayerCost, memory_model, profile, trace
 
 
 def test_linear_flops_params_and_bytes() -> None:
@@ -103,11 +103,36 @@ def test_pooled_bytes_are_the_inputs_and_outputs_of_large_linears(device: str) -
     assert [c.pooled_bytes for c in profile(model, sample)] == [0, 0, 0, 0]  # the default threshold: 2^18 elements
 
 
-def test_meta_and_real_give_the_same_counts() -> None:
+class KeywordAttention(nn.Module):
+    """Self-attention that passes its arguments to ``F.scaled_dot_product_attention`` by name."""
+
+    def __init__(self, d: int, device: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.transpose(1, 2) for z in self.qkv(x).view(b, t, 3, 2, d // 2).unbind(2))
+        out = torch.nn.functional.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
+        return out.transpose(1, 2).reshape(b, t, d)
+
+
+@pytest.mark.parametrize("model", ["gpt", "traced gpt", "keyword attention"])
+def test_meta_and_real_give_the_same_counts(model: str) -> None:
+    # Traced graphs call aten's attention op, and a model may pass its arguments by name: meta still counts the
+    # fused kernel, as the CPU runs it.
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     ids = torch.randint(0, 64, (2, 16))
-    real = profile(GPT(cfg), ids)
-    meta = profile(GPT(cfg, device="meta"), ids)
+    if model == "keyword attention":
+        x = torch.randn(2, 16, 32)
+        real = profile(nn.Sequential(KeywordAttention(32, "cpu"), KeywordAttention(32, "cpu")), x)
+        meta = profile(nn.Sequential(KeywordAttention(32, "meta"), KeywordAttention(32, "meta")), x)
+    elif model == "traced gpt":
+        real = profile(trace(GPT(cfg), ids), ids)
+        meta = profile(trace(GPT(cfg, device="meta"), ids.to("meta")), ids)
+    else:
+        real = profile(GPT(cfg), ids)
+        meta = profile(GPT(cfg, device="meta"), ids)
     for r, m in zip(real, meta, strict=True):
         assert (r.name, r.params, r.param_bytes, r.flops, r.forward_flops, r.output_bytes) == (
             m.name,
@@ -119,6 +144,8 @@ def test_meta_and_real_give_the_same_counts() -> None:
         )
         # The fused attention kernel's meta version also keeps its two RNG-state scalars.
         assert r.saved_bytes <= m.saved_bytes <= r.saved_bytes + 64
+    if model != "gpt":
+        return
     blocks = [c for c in meta if c.name.startswith("blocks.")]
     d, t, b = 32, 16, 2
     # Attention and MLP matmuls: qkv (3d^2), proj (d^2), MLP (8d^2) per token, times 2 for multiply-add.
