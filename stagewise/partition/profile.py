@@ -90,9 +90,26 @@ def _like(value: Payload, fn: Callable[[torch.Tensor], torch.Tensor]) -> Payload
     return fn(value) if isinstance(value, torch.Tensor) else tuple(fn(v) for v in value)
 
 
-def _fresh(value: Payload) -> Payload:
-    """A stage-boundary input: detached, and requiring grad where it is floating point."""
+def _fresh(value: Payload, *, first: bool = False) -> Payload:
+    """A stage-boundary input: detached, and requiring grad where it is floating point.
+
+    The first layer's input is the data, which asks for a gradient only where the sample does: a pipeline
+    computes no gradient of its inputs, so neither its FLOPs nor its time count one.
+    """
+    if first:
+        return _like(value, lambda t: t.detach().requires_grad_(t.requires_grad))
     return _like(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+
+
+def _on(target: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Moves a sample tensor to ``target``; a meta one (no values) becomes zeros of its shape there."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta and target.type != "meta":
+            return torch.zeros_like(t, device=target)
+        return t.to(target)
+
+    return move
 
 
 def _backward(output: Payload) -> None:
@@ -179,7 +196,7 @@ def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
     return work
 
 
-def _time(work: nn.Module, inputs: Payload, device: torch.device, warmup: int, repeats: int) -> float:
+def _time(work: nn.Module, inputs: Payload, device: torch.device, warmup: int, repeats: int, *, first: bool) -> float:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -187,7 +204,7 @@ def _time(work: nn.Module, inputs: Payload, device: torch.device, warmup: int, r
     samples = []
     for i in range(warmup + repeats):
         work.zero_grad(set_to_none=True)
-        x = _fresh(inputs)
+        x = _fresh(inputs, first=first)
         sync()
         start = clock.perf_counter()
         _backward(work(x))
@@ -238,7 +255,8 @@ def profile(
 
     Args:
         model: a chain (see :func:`layers_of`) or its layers.
-        sample: one micro-batch of the first layer's input.
+        sample: one micro-batch of the first layer's input; on the meta device it stands for zeros of its
+            shape where the layers run on a real one. It counts no gradient of its own unless it requires one.
         time: measure forward plus backward time.
         device: where to run; by default where the model is (meta without
             ``time``; for ``time``, the model's real device or the CPU).
@@ -252,16 +270,19 @@ def profile(
         raise ValueError("there are no layers to profile")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
+    from stagewise.partition.traced import Segment  # traced.py builds on this module
+
     target = _choose_device(layers, time, device)
     _tensors(sample, "sample")
-    current: Payload = _like(sample, lambda t: t.to(target))
+    current: Payload = _like(sample, _on(target))
     costs: list[LayerCost] = []
     kept_outputs: list[bool] = []  # which of the previous layer's output tensors it saved for backward
-    for layer in tqdm(layers, desc="profiling", disable=not progress, unit="layer"):
+    for index, layer in enumerate(tqdm(layers, desc="profiling", disable=not progress, unit="layer")):
         work = _materialise(layer.module, target)
-        work.train()
+        # Training's costs; a segment traced in eval mode runs only as traced.
+        work.train(work.traced_training if isinstance(work, Segment) else True)
         saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
-        inputs = _fresh(current)
+        inputs = _fresh(current, first=index == 0)
         in_storages = [t.untyped_storage() for t in _tensors(inputs, "sample")]
         with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), FusedAttentionOnMeta(), pooled:
@@ -276,7 +297,7 @@ def profile(
             if before and storage in saved.storages
         )
         kept_outputs = [t.untyped_storage() in saved.storages for t in outs]
-        elapsed = _time(work, current, target, warmup, repeats) if time else None
+        elapsed = _time(work, current, target, warmup, repeats, first=index == 0) if time else None
         params = list(layer.module.parameters())
         costs.append(
             LayerCost(

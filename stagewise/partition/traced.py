@@ -363,6 +363,7 @@ def trace(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = 
         for k, (name, graph) in enumerate(zip(names, graphs, strict=True))
     ]
     chain = TracedChain(model, segments)
+    chain.train(model.training)  # in the mode it was traced in, as the model was
     covered = {id(p) for s in segments for p in s.parameters()}
     unused = [n for n, p in model.named_parameters() if id(p) not in covered]
     if unused:

@@ -20,8 +20,12 @@ def test_linear_flops_params_and_bytes() -> None:
     (linear, relu) = profile(model, torch.randn(batch, fan_in))
     per_pass = 2 * fan_in * fan_out * batch
     assert linear.forward_flops == per_pass
-    # Backward is two passes of the same size: gradient of the input and of the weight.
-    assert linear.flops == 3 * per_pass
+    # The data needs no gradient (a pipeline computes none): backward is the weight's gradient alone.
+    assert linear.flops == 2 * per_pass
+    # Behind another layer, or with a sample that asks for it, backward is two passes of the same size: gradient
+    # of the input and of the weight.
+    (after,) = profile(nn.Sequential(nn.Linear(fan_in, fan_out)), torch.randn(batch, fan_in, requires_grad=True))
+    assert after.flops == 3 * per_pass
     assert linear.params == fan_in * fan_out + fan_out
     assert linear.param_bytes == 4 * linear.params
     assert linear.output_bytes == 4 * batch * fan_out

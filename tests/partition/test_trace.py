@@ -79,6 +79,44 @@ def test_a_meta_model_is_materialised_segment_by_segment_on_the_cpu() -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
+class NormBlock(nn.Module):
+    """A residual block whose batch norm and dropout behave differently in training and in eval mode."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.bn, self.drop = nn.Linear(d, d), nn.BatchNorm1d(d), nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = x + self.drop(torch.relu(self.bn(self.fc(x))))
+        return out
+
+
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.blocks = nn.ModuleList(NormBlock(8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def test_a_model_traced_in_eval_mode_comes_back_in_it_and_profiles() -> None:
+    torch.manual_seed(0)
+    model, x = NormNet().eval(), torch.randn(6, 4)
+    chain = trace(model, x)
+    assert not chain.training and not any(s.training for s in chain.segments)
+    torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)  # it runs as traced, with nothing to set
+    costs = profile(chain, x)  # each segment in the mode it was traced in
+    assert len(costs) == 4 and all(c.flops > 0 for c in costs)
+    timed = profile(trace(NormNet().eval(), x), x.to("meta"), time=True, repeats=1, warmup=0)
+    assert all(c.time is not None and c.time > 0 for c in timed)  # a meta sample stands for zeros on the CPU
+
+
 class TiedLM(nn.Module):
     def __init__(self, device: str | None = None) -> None:
         super().__init__()
