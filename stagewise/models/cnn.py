@@ -30,6 +30,8 @@ class CNNConfig:
                 raise ValueError(f"CNNConfig.{field} must be >= 1, got {getattr(self, field)}")
         if not self.widths or min(self.widths) < 1:
             raise ValueError(f"CNNConfig.widths must be positive channel counts, got {self.widths}")
+        if any(w > 8 and w % 8 for w in self.widths):  # group norm: min(8, width) groups of equal size
+            raise ValueError(f"CNNConfig.widths must be at most 8 or multiples of 8 (group norm), got {self.widths}")
         if self.image_size < 2 ** (len(self.widths) - 1):
             raise ValueError(
                 f"CNNConfig.image_size={self.image_size} is too small to halve {len(self.widths) - 1} times"

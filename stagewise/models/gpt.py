@@ -86,6 +86,12 @@ class Embedding(nn.Module):
         self.positions = Table(config.seq_len, config.d_model, device=device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        longest = self.positions.weight.shape[0]
+        if ids.shape[-1] > longest:  # on the meta device nothing else would notice
+            raise ValueError(
+                f"a sequence of {ids.shape[-1]} tokens is longer than the model's {longest} positions; "
+                f"use at most {longest} tokens"
+            )
         positions = torch.arange(ids.shape[-1], device=ids.device)
         out: torch.Tensor = self.tokens(ids) + self.positions(positions)
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -87,6 +88,11 @@ class ByteText(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (len(self.data) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:  # also what ends a plain for loop over the dataset
+            raise IndexError(f"sample {index} of a text of {n} sequences")
         start = index * self.seq_len
         window = self.data[start : start + self.seq_len + 1].long()
         return window[:-1], window[1:]
@@ -108,4 +114,10 @@ def text_splits(
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     data = read_corpus(path, limit=limit)
     cut = int(len(data) * (1 - val_fraction))
+    if len(data) - cut < seq_len + 1:
+        need = math.ceil((seq_len + 1) / val_fraction)
+        raise ValueError(
+            f"the validation split (the last {val_fraction:.0%} of the text, {len(data) - cut} bytes) is too short for "
+            f"one sequence of {seq_len} tokens; use more text (about {need} bytes) or a shorter sequence"
+        )
     return TextSplits(ByteText(data[:cut], seq_len), ByteText(data[cut:], seq_len))

@@ -35,3 +35,12 @@ def test_bad_config_and_name() -> None:
         GPTConfig(n_layers=0)
     with pytest.raises(ValueError, match=r"unknown model preset 'gpt-huge'"):
         build("gpt-huge")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_sequence_longer_than_the_positions_is_refused(device: str) -> None:
+    config = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    model = config.build(device=device)
+    model(torch.zeros(2, 8, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match=r"a sequence of 9 tokens is longer than the model's 8 positions"):
+        model(torch.zeros(2, 9, dtype=torch.int64, device=device))

@@ -84,3 +84,18 @@ def test_text_windows_and_splits(tmp_path: Path) -> None:
         read_corpus(tmp_path / "missing")
     with pytest.raises(ValueError, match=r"10 bytes of text are too few for one sequence of 20 tokens"):
         ByteText(read_corpus(tmp_path / "a.txt"), 20)
+    # Indexed as a sequence: from the end too, and a plain loop stops at its length.
+    assert bytes(windows[-1][0].tolist()) == bytes(windows[3][0].tolist()) == b"2345"
+    assert len(list(windows)) == 4
+    with pytest.raises(IndexError, match=r"sample 4 of a text of 4 sequences"):
+        windows[4]
+    # The held-out text, not the whole, is what is too short.
+    (tmp_path / "short.txt").write_bytes(bytes(range(97, 123)) * 40)  # 1040 bytes: 52 held out
+    with pytest.raises(ValueError, match=r"the validation split \(the last 5% of the text, 52 bytes\) is too short"):
+        text_splits(tmp_path / "short.txt", 128)
+
+
+def test_cnn_widths_that_group_norm_cannot_split_are_refused() -> None:
+    assert CNNConfig(widths=(4, 8, 16)).build(device="meta") is not None
+    with pytest.raises(ValueError, match=r"CNNConfig.widths must be at most 8 or multiples of 8 \(group norm\), got "):
+        CNNConfig(widths=(12, 24))
