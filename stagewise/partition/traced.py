@@ -247,6 +247,24 @@ class TracedChain(nn.Module):
         return x
 
 
+_OWN_NAMES = frozenset(
+    {"segment_name", "graph", "traced_on", "traced_training", "bare_output", "record", "source", "segments"}
+    | {name for cls in (Segment, TracedChain) for name in vars(cls) if not name.startswith("__")}
+)
+"""Attributes of segments and traced chains, which hold the model's own modules under their names."""
+
+
+def _check_names(model: nn.Module) -> None:
+    """Refuse a model whose top-level modules or tensors take a name the traced chain's pieces use themselves."""
+    top = [*model._modules, *model._parameters, *model._buffers]
+    taken = sorted(set(top) & _OWN_NAMES)
+    if taken:
+        raise TraceError(
+            f"{type(model).__name__} has attributes named {taken}, which trace() keeps for the segments and the "
+            f"chain it builds; rename them in the model (the segments hold its modules under their own names)"
+        )
+
+
 @dataclass(frozen=True)
 class _Source:
     """The model a chain was traced from, held without registering it as a submodule."""
@@ -293,6 +311,8 @@ def _export(
             raise ValueError(f"blocks names {name!r}, which is not a submodule of {type(model).__name__}") from err
         handles.append(module.register_forward_pre_hook(marker(name)))
     batch = Dim("batch", min=1)
+    if args[0].shape[0] == 1:  # export fixes a dimension of size 1: show it two samples, the batch stays symbolic
+        args = tuple(torch.cat([a, a]) for a in args)
     try:
         ep = torch.export.export(model, args, dynamic_shapes=tuple({0: batch} for _ in args))
     except Exception as err:
@@ -333,6 +353,7 @@ def trace(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = 
     if not isinstance(model, nn.Module):
         raise TypeError(f"trace expects an nn.Module, got {type(model).__name__}")
     args = _example(example)
+    _check_names(model)
     names = list(blocks) if blocks is not None else repeated_blocks(model)
     if not names:
         raise ValueError(

@@ -105,6 +105,16 @@ class NormNet(nn.Module):
         return out
 
 
+def test_an_example_of_one_sample_traces_a_chain_for_any_batch() -> None:
+    # torch.export fixes a dimension of size 1: the example is shown twice, and the batch stays symbolic.
+    torch.manual_seed(0)
+    model = UNetMLP()
+    chain = trace(model, torch.randn(1, 16))
+    for batch in (1, 3):
+        x = torch.randn(batch, 16)
+        torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)
+
+
 def test_a_model_traced_in_eval_mode_comes_back_in_it_and_profiles() -> None:
     torch.manual_seed(0)
     model, x = NormNet().eval(), torch.randn(6, 4)
@@ -202,6 +212,10 @@ def test_what_cannot_be_traced_or_cut_is_refused_with_the_reason() -> None:
         trace(UNetMLP(), [torch.randn(2, 16)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"share their first \(batch\) dimension, got shapes \[\(2, 8\), \(3, 8\)\]"):
         trace(MaskedTransformer(), (torch.zeros(2, 8, dtype=torch.long), torch.ones(3, 8, dtype=torch.long)))
+    clashing = UNetMLP()
+    clashing.graph = nn.Linear(2, 2)  # a name the traced segments keep for themselves
+    with pytest.raises(TraceError, match=r"UNetMLP has attributes named \['graph'\], which trace\(\) keeps for the "):
+        trace(clashing, torch.randn(2, 16))
     chain = trace(Dropping(), torch.randn(2, 4), blocks=["blocks.0", "blocks.1"])
     chain.eval()
     with pytest.raises(RuntimeError, match=r"traced in training mode and contains dropout or batch norm"):
