@@ -40,7 +40,7 @@ class RangeCost:
     shares it (bytes two neighbouring layers save, counted in the second's
     head). Sums come from prefix arrays, so every cost is computed by one
     fixed formula; the solver's comparisons and the reported loads therefore
-    agree to the bit. A head must keep costs monotone: ``0 <= head[i] <= y[i - 1]``.
+    agree to the bit. A head must keep costs monotone: ``0 <= head[i] <= y[i - 1] + head[i - 1]``.
     """
 
     x_prefix: FloatArray

@@ -256,7 +256,8 @@ _OWN_NAMES = frozenset(
 
 def _check_names(model: nn.Module) -> None:
     """Refuse a model whose top-level modules or tensors take a name the traced chain's pieces use themselves."""
-    top = [*model._modules, *model._parameters, *model._buffers]
+    top = [name for name, _ in (*model.named_children(), *model.named_parameters(recurse=False))]
+    top += [name for name, _ in model.named_buffers(recurse=False)]
     taken = sorted(set(top) & _OWN_NAMES)
     if taken:
         raise TraceError(
