@@ -104,6 +104,14 @@ def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pyt
     assert chosen["stages"] * chosen["dp"] == 2 and chosen["seq_len"] == 32
     assert main(["plan", "--model", "gpt-70b", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "2"]) == 1
     assert "no layout fits 2 devices; it would need at least" in capsys.readouterr().out
+    for extra, error in (
+        (["--model", "mlp-tiny", "--seq-len", "32"], "--seq-len applies to the GPT presets; mlp-tiny takes no seq"),
+        (["--input-shape", "3x32x32"], "--input-shape applies to MODULE:FACTORY models; gpt-tiny knows its input"),
+        (["--profile-ranks", "2"], "--profile-ranks says how --profile measures; add --profile, or leave"),
+        (["--device", "cuda"], "--device says how --profile measures; add --profile, or leave --device out"),
+    ):
+        assert main([*argv, *extra]) == 2  # each refused, not ignored
+        assert error in capsys.readouterr().err
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"model": "gpt-tiny"}))
     assert main(["train", "--plan", str(broken)]) == 2

@@ -58,6 +58,10 @@ def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
     """The model on the meta device, one profiled micro-batch, and tokens per sample."""
     if ns.model in PRESETS:
         config = PRESETS[ns.model]
+        if ns.input_shape is not None:
+            raise ValueError(f"--input-shape applies to MODULE:FACTORY models; {ns.model} knows its input")
+        if ns.seq_len is not None and not isinstance(config, GPTConfig):
+            raise ValueError(f"--seq-len applies to the GPT presets; {ns.model} takes no sequence: leave it out")
         sample = config.example(ns.micro_batch, ns.seq_len)
         tokens = int(sample.shape[1]) if isinstance(config, GPTConfig) else 1
         return config.build(device="meta"), sample, tokens
@@ -104,6 +108,9 @@ def _show(result: Plan, work: Workload, top: int) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    if not ns.profile and (ns.profile_ranks != 1 or ns.device != "cpu"):
+        flag = "--profile-ranks" if ns.profile_ranks != 1 else "--device"
+        raise ValueError(f"{flag} says how --profile measures; add --profile, or leave {flag} out")
     model, sample, tokens = _model(ns)
     cluster = _cluster(ns)
     state = 4.0 if ns.optimizer == "adamw" else 3.0  # weights, gradients, and two moments or SGD's momentum
