@@ -45,6 +45,7 @@ def clip_grad_norm_(
         device = grads[0].device
     elif device is None:
         device = next((q.device for q in params), torch.device("cpu"))
+    dtype = grads[0].dtype if grads else torch.float32  # the norm's, as torch returns it: float64 gradients stay so
     local = (get_total_norm(grads, p) if grads else torch.zeros(())).to(device, torch.float64)
     if math.isinf(p):
         # A max drops NaN or keeps it depending on the order of its operands (gloo's std::max, NCCL's fmax):
@@ -63,5 +64,5 @@ def clip_grad_norm_(
         )
     with_grads = [q for q in params if q.grad is not None]
     if with_grads:
-        clip_grads_with_norm_(with_grads, max_norm, total.to(torch.float32))
-    return total.to(torch.float32)
+        clip_grads_with_norm_(with_grads, max_norm, total.to(dtype))
+    return total.to(dtype)

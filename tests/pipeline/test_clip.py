@@ -43,6 +43,10 @@ def clip_cases() -> dict[str, object]:
         layer.weight.grad = torch.tensor([GRADS[rank]])
         norm = clip_grad_norm_(layer.parameters(), 0.5, norm_type, group=world)  # a generator, read once
         out[f"generator {norm_type}"] = (float(norm), layer.weight.grad.clone())
+    double = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    double.grad = torch.tensor(GRADS[rank], dtype=torch.float64) / 3
+    norm = clip_grad_norm_([double], 0.5, group=world)
+    out["float64"] = (norm.dtype, float(norm), double.grad.clone())
     zeroed = _param(GRADS[rank])
     clip_grad_norm_([zeroed], 0.0, group=world)
     out["max_norm 0"] = zeroed.grad.clone()  # type: ignore[union-attr]
@@ -71,6 +75,13 @@ def test_clipping_over_two_ranks_equals_torch_on_the_whole_model() -> None:
             norm, grad = got[f"generator {norm_type}"]  # type: ignore[misc]
             assert norm == pytest.approx(want_norm)
             torch.testing.assert_close(grad[0], want_grads[rank])
+        doubles = [nn.Parameter(torch.zeros(3, dtype=torch.float64)) for _ in GRADS]
+        for p, g in zip(doubles, GRADS, strict=True):
+            p.grad = torch.tensor(g, dtype=torch.float64) / 3
+        want = torch.nn.utils.clip_grad_norm_(doubles, 0.5)
+        dtype, norm, grad = got["float64"]  # type: ignore[misc]
+        assert dtype == torch.float64 and norm == pytest.approx(float(want), rel=1e-15)
+        torch.testing.assert_close(grad, doubles[rank].grad, atol=1e-15, rtol=1e-15)
         _, zeroed = _torch_reference(0.0, 2.0)
         torch.testing.assert_close(got["max_norm 0"], zeroed[rank])
 
