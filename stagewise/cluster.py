@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -21,8 +22,8 @@ class Device:
 
     def __post_init__(self) -> None:
         for name in ("memory", "flops", "memory_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"a device's {name} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"a device's {name} must be positive and finite, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,10 @@ class Cluster:
         if not self.devices:
             raise ValueError("a cluster needs at least one device")
         for name in ("link_bandwidth", "network_bandwidth"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.link_latency < 0:
-            raise ValueError(f"link_latency must be >= 0, got {self.link_latency}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        if not 0 <= self.link_latency < math.inf:  # also refuses NaN
+            raise ValueError(f"link_latency must be >= 0 and finite, got {self.link_latency}")
 
     @property
     def n_devices(self) -> int:
@@ -89,7 +90,14 @@ def parse_devices(text: str) -> tuple[Device, ...]:
             raise ValueError(
                 f"cannot read the device group {part.strip()!r}; write COUNTxMEMORY@FLOPS, e.g. 8x80GiB@400e12"
             )
-        count, memory, flops = int(match[1]), parse_bytes(match[2]), float(match[3])
+        count, memory = int(match[1]), parse_bytes(match[2])
+        try:
+            flops = float(match[3])
+        except ValueError:
+            raise ValueError(
+                f"cannot read the FLOP/s {match[3]!r} of the device group {part.strip()!r}; write COUNTxMEMORY@FLOPS, "
+                "e.g. 8x80GiB@400e12"
+            ) from None
         if count < 1:
             raise ValueError(f"a device group needs at least one device, got {count} in {part.strip()!r}")
         devices += [Device(memory, flops)] * count

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import os
 import statistics
 import tempfile
@@ -9,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeAlias, cast
+from typing import Any, Literal, TypeAlias, cast
 
 import torch
 from torch import nn
@@ -47,12 +49,28 @@ class Workload:
     """Parameters several layers use (tied weights): those layers' indices and the bytes. Copies on different
     ranks have their gradients summed every step."""
 
+    def __post_init__(self) -> None:
+        for name in ("profiled_batch", "global_batch", "tokens_per_sample"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not 0 <= self.state_multiplier < math.inf:
+            raise ValueError(f"state_multiplier must be >= 0 and finite, got {self.state_multiplier}")
 
-def measure_optimizer(device: torch.device, *, params: int = 1 << 24, repeats: int = 5) -> float:
-    """Seconds per parameter of one AdamW step on ``device`` (median of ``repeats``)."""
+
+OptimizerKind: TypeAlias = Literal["adamw", "sgd"]
+"""The optimizers ``stagewise train`` uses: AdamW, or SGD with momentum 0.9."""
+
+
+def measure_optimizer(
+    device: torch.device, *, kind: OptimizerKind = "adamw", params: int = 1 << 24, repeats: int = 5
+) -> float:
+    """Seconds per parameter of one step of ``kind`` on ``device`` (median of ``repeats``)."""
     weight = torch.nn.Parameter(torch.zeros(params, device=device))
     weight.grad = torch.ones_like(weight)
-    optimizer = torch.optim.AdamW([weight], lr=1e-3)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.SGD([weight], lr=1e-3, momentum=0.9) if kind == "sgd" else torch.optim.AdamW([weight], lr=1e-3)
+    )
     times = []
     for _ in range(repeats + 1):
         if device.type == "cuda":
@@ -70,8 +88,10 @@ def measure_loss(
 ) -> tuple[float, float]:
     """Forward and backward seconds of ``loss_fn(output, target)`` on ``device`` (medians of ``repeats``)."""
     loss_fn, target = loss
+    on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    shaper = model if on_meta else copy.deepcopy(model).to("meta")  # only the output's shape is wanted
     with torch.device("meta"):
-        shape = model(_to(sample, torch.device("meta")))
+        shape = shaper(_to(sample, torch.device("meta")))
     outputs = _to(shape, device, random=True)
     target = _to(target, device)
     forward, backward = [], []
@@ -117,6 +137,7 @@ def workload(
     state_multiplier: float = 4.0,
     measure_on: torch.device | str | None = None,
     loss: tuple[LossFn, Payload] | None = None,
+    optimizer: OptimizerKind = "adamw",
 ) -> Workload:
     """Profile ``model`` (on the meta device, or timed on ``measure_on``) for one micro-batch ``sample``.
 
@@ -135,7 +156,7 @@ def workload(
             torch.set_num_threads(1)
         try:
             costs = profile(model, sample, time=True, device=device)
-            per_param = measure_optimizer(device)
+            per_param = measure_optimizer(device, kind=optimizer)
             if loss is not None:
                 loss_seconds = measure_loss(model, sample, loss, device)
         finally:
@@ -194,6 +215,7 @@ def workload_under_load(
     tokens_per_sample: int = 1,
     state_multiplier: float = 4.0,
     measure_on: str = "cpu",
+    optimizer: OptimizerKind = "adamw",
 ) -> Workload:
     """Measure a workload in the first of ``concurrent`` local processes while the others run the same layers.
 
@@ -210,6 +232,7 @@ def workload_under_load(
         "tokens_per_sample": tokens_per_sample,
         "state_multiplier": state_multiplier,
         "measure_on": measure_on,
+        "optimizer": optimizer,
     }
     if concurrent == 1:
         alone = _profile_rank(build, args, options)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 from stagewise.cli import main, parser
 from stagewise.cli.train import config_of
@@ -13,7 +17,7 @@ from stagewise.cluster import Cluster, Device, parse_devices
 from stagewise.models import build, preset
 from stagewise.partition import LayerCost
 from stagewise.planner import Option, candidates, evaluate, load_plan, plan
-from stagewise.workload import Workload, workload
+from stagewise.workload import Workload, measure_optimizer, workload
 
 GiB = 2**30
 
@@ -78,6 +82,27 @@ def test_mixed_devices_shape_the_partition() -> None:
     assert parse_devices("2x80GiB@1e14,1x40GiB@3e13")[2] == Device(40 * GiB, 3e13)
     with pytest.raises(ValueError, match=r"cannot read the device group '2x80GiB'; write COUNTxMEMORY@FLOPS"):
         parse_devices("2x80GiB")
+    with pytest.raises(ValueError, match=r"cannot read the FLOP/s '1.2.3' of the device group '2x80GiB@1.2.3'"):
+        parse_devices("2x80GiB@1.2.3")
+    with pytest.raises(ValueError, match=r"a device's flops must be positive and finite, got inf"):
+        parse_devices("2x80GiB@1e400")
+    with pytest.raises(ValueError, match=r"link_latency must be >= 0 and finite, got nan"):
+        Cluster((Device(GiB, 1e12),), link_latency=float("nan"))
+
+
+def test_workloads_refuse_bad_counts_and_time_the_optimizer_they_plan_for() -> None:
+    work = gpt_workload("gpt-tiny", 8, 32)
+    for field, value in (("global_batch", 0), ("tokens_per_sample", 0), ("state_multiplier", float("inf"))):
+        with pytest.raises(ValueError, match=rf"{field} must be .*got {value}"):
+            dataclasses.replace(work, **{field: value})
+    # AdamW reads and writes four tensors per parameter, SGD with momentum three: it is the faster step.
+    adamw, sgd = (measure_optimizer(torch.device("cpu"), kind=k, params=1 << 20) for k in ("adamw", "sgd"))
+    assert sgd < adamw
+    # A model with real weights has its loss timed too (its output's shape comes from a meta copy).
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    target = torch.randn(2, 4)
+    real = workload(model, torch.randn(2, 8), global_batch=8, measure_on="cpu", loss=(F.mse_loss, target))
+    assert real.loss_seconds[0] > 0 and real.loss_seconds[1] > 0
 
 
 def test_one_stage_has_no_bubble_and_bad_layouts_are_named() -> None:

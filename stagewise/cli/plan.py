@@ -120,6 +120,7 @@ def run(ns: argparse.Namespace) -> int:
         work = workload_under_load(
             preset_model, (ns.model, ns.micro_batch, ns.seq_len), concurrent=ns.profile_ranks,
             global_batch=ns.global_batch, tokens_per_sample=tokens, state_multiplier=state, measure_on=ns.device,
+            optimizer=ns.optimizer,
         )  # fmt: skip
     else:
         loss = preset_model(ns.model, ns.micro_batch, ns.seq_len)[2] if ns.model in PRESETS else None
@@ -131,6 +132,7 @@ def run(ns: argparse.Namespace) -> int:
             state_multiplier=state,
             measure_on=ns.device if ns.profile else None,
             loss=loss,
+            optimizer=ns.optimizer,
         )
     params = sum(p.numel() for p in model.parameters())
     print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {cluster.describe()}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -143,8 +144,8 @@ def memory_model(
     ``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default;
     without it only the micro-batches in flight count.
     """
-    if state_multiplier < 0:
-        raise ValueError(f"state_multiplier must be >= 0, got {state_multiplier}")
+    if not 0 <= state_multiplier < math.inf:  # also refuses NaN
+        raise ValueError(f"state_multiplier must be >= 0 and finite, got {state_multiplier}")
     return MemoryModel(
         fixed=tuple(c.param_bytes * state_multiplier + c.buffer_bytes for c in costs),
         activation=tuple(float(c.saved_bytes) for c in costs),

@@ -53,8 +53,10 @@ def test_memory_model_counts_state_buffers_and_activations() -> None:
 
 
 def test_memory_model_bad_input() -> None:
-    with pytest.raises(ValueError, match=r"state_multiplier must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"state_multiplier must be >= 0 and finite, got -1"):
         memory_model([cost("a", 4, 0, 0)], 1, state_multiplier=-1.0)
+    with pytest.raises(ValueError, match=r"state_multiplier must be >= 0 and finite, got nan"):
+        memory_model([cost("a", 4, 0, 0)], 1, state_multiplier=float("nan"))
     with pytest.raises(ValueError, match=r"2 fixed sizes, 1 activation sizes and 0 pooled sizes"):
         MemoryModel((1.0, 2.0), (1.0,), (1,))
     with pytest.raises(ValueError, match=r"in_flight must be >= 0"):
