@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from stagewise.cli import main, parser
 from stagewise.cli import train as cli_train
@@ -41,6 +42,8 @@ def test_partition_by_time_with_capacity(capsys: pytest.CaptureFixture[str]) -> 
         (["--capacity", "1KiB"], "alone needs"),
         (["--speeds", "1,2,3"], "--speeds has 3 values for 4 stages"),
         (["--seq-len", "4096"], "a sequence length of 4096 exceeds the model's longest, 128"),
+        (["--device", "cpu"], "--device says where --by time measures; add --by time, or leave --device out"),
+        (["--model", "mlp-tiny", "--seq-len", "64"], "--seq-len applies to the GPT presets; mlp-tiny takes no"),
     ],
 )
 def test_bad_values_give_exit_2_and_a_message(
@@ -59,6 +62,30 @@ def test_invalid_arguments_are_refused_by_the_parser(argv: list[str], capsys: py
         main(["partition", *argv])
     assert info.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_device_the_parser_cannot_use_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, error in (
+        (["partition", "--by", "time", "--device", "foo"], "'foo' is not a device; use cpu, cuda or cuda:N"),
+        (["plan", "--profile", "--device", "foo"], "'foo' is not a device; use cpu, cuda or cuda:N"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert error in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["partition", "--by", "time", "--device", "cuda"])
+        assert "cuda is not available here" in capsys.readouterr().err
+
+
+def test_a_schedule_file_refuses_the_built_in_shape_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "mine.txt"
+    path.write_text("rank 0: 0F0 1F0 1B0 0B0\n")
+    assert main(["schedule", "--file", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["schedule", "--file", str(path), "--stages", "4", "--virtual", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--stages, --virtual shape a built-in schedule; a --file schedule has its own" in err
 
 
 def test_a_size_the_parser_cannot_read_says_how_to_write_one(capsys: pytest.CaptureFixture[str]) -> None:

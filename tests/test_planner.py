@@ -133,7 +133,8 @@ def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pyt
         (["--model", "mlp-tiny", "--seq-len", "32"], "--seq-len applies to the GPT presets; mlp-tiny takes no seq"),
         (["--input-shape", "3x32x32"], "--input-shape applies to MODULE:FACTORY models; gpt-tiny knows its input"),
         (["--profile-ranks", "2"], "--profile-ranks says how --profile measures; add --profile, or leave"),
-        (["--device", "cuda"], "--device says how --profile measures; add --profile, or leave --device out"),
+        (["--device", "cpu"], "--device says how --profile measures; add --profile, or leave --device out"),
+        (["--devices", "2x1GiB@1e12"], "--devices lists every device; --gpus, --gpu-memory describe uniform ones"),
     ):
         assert main([*argv, *extra]) == 2  # each refused, not ignored
         assert error in capsys.readouterr().err

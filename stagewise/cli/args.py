@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Literal
 
+import torch
+
 from stagewise.units import parse_bytes
 
 
@@ -53,3 +55,16 @@ def pool(text: str) -> int | Literal["free"]:
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected a number >= 1 or 'free', got {text}") from None
+
+
+def device(text: str) -> str:
+    """A torch device this machine has (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    try:
+        parsed = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N") from err
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text} is not available here: this torch has no CUDA device to use")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text} does not exist: this machine has {torch.cuda.device_count()} GPUs")
+    return text

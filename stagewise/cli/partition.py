@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from stagewise.cli import args
-from stagewise.models import PRESETS
+from stagewise.models import PRESETS, GPTConfig
 from stagewise.partition import By, MemorySchedule, balance_costs, profile
 from stagewise.pipeline import build, holdings
 from stagewise.units import format_bytes
@@ -30,16 +30,20 @@ def add(commands: Any) -> None:
     part.add_argument("--capacity", type=args.sizes, default=None, help="device memory, e.g. 80GiB, or one per stage")
     part.add_argument("--speeds", type=args.floats, default=None, help="relative device speeds, one per stage")
     part.add_argument("--state-multiplier", type=float, default=4.0, help="parameter copies kept (4: Adam)")
-    part.add_argument("--device", default="cpu", help="where --by time measures")
+    part.add_argument("--device", type=args.device, default=None, help="where --by time measures (default cpu)")
     part.add_argument("--json", type=Path, default=None, help="also write the partition as JSON here")
 
 
 def run(ns: argparse.Namespace) -> int:
     config = PRESETS[ns.model]
+    timed = ns.by == "time"
+    if ns.device is not None and not timed:
+        raise ValueError("--device says where --by time measures; add --by time, or leave --device out")
+    if ns.seq_len is not None and not isinstance(config, GPTConfig):
+        raise ValueError(f"--seq-len applies to the GPT presets; {ns.model} takes no sequence: leave it out")
     model = config.build(device="meta")
     sample = config.example(ns.micro_batch_size, ns.seq_len)
-    timed = ns.by == "time"
-    costs = profile(model, sample, time=timed, device=ns.device if timed else None, progress=timed)
+    costs = profile(model, sample, time=timed, device=(ns.device or "cpu") if timed else None, progress=timed)
     part = balance_costs(
         costs,
         ns.stages,

@@ -31,13 +31,13 @@ def add(commands: Any) -> None:
     p.add_argument("--model", default="gpt-small", help="a preset, or MODULE:FACTORY returning an nn.Module")
     p.add_argument("--input-shape", default=None, help="for MODULE:FACTORY: one sample's shape, e.g. 128 or 3x32x32")
     p.add_argument("--input-dtype", default="float32", choices=["float32", "int64"], help="for MODULE:FACTORY")
-    p.add_argument("--gpus", type=args.positive_int, default=8, help="devices in all")
-    p.add_argument("--gpu-memory", type=args.size, default=parse_bytes("80GiB"), help="memory per device")
-    p.add_argument("--gpu-flops", type=float, default=400e12, help="sustained FLOP/s per device (not the peak)")
-    p.add_argument("--gpu-bandwidth", type=float, default=2e12, help="device memory bytes/s (optimizer step)")
+    p.add_argument("--gpus", type=args.positive_int, default=None, help="devices in all (8)")
+    p.add_argument("--gpu-memory", type=args.size, default=None, help="memory per device (80GiB)")
+    p.add_argument("--gpu-flops", type=float, default=None, help="sustained FLOP/s per device, not the peak (400e12)")
+    p.add_argument("--gpu-bandwidth", type=float, default=None, help="device memory bytes/s, optimizer step (2e12)")
     p.add_argument("--devices", default=None, help="mixed devices in rank order, e.g. 4x80GiB@400e12,4x40GiB@150e12")
     p.add_argument("--profile", action="store_true", help="measure layer times on --device instead of FLOPs")
-    p.add_argument("--device", default="cpu", help="where --profile measures")
+    p.add_argument("--device", type=args.device, default=None, help="where --profile measures (default cpu)")
     p.add_argument(
         "--profile-ranks", type=args.positive_int, default=1,
         help="with --profile: processes measuring at once, as many as the job's ranks sharing this machine",
@@ -83,10 +83,18 @@ def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
 
 
 def _cluster(ns: argparse.Namespace) -> Cluster:
+    uniform = {"--gpus": ns.gpus, "--gpu-memory": ns.gpu_memory, "--gpu-flops": ns.gpu_flops}
+    uniform["--gpu-bandwidth"] = ns.gpu_bandwidth
     if ns.devices is not None:
+        given = [flag for flag, value in uniform.items() if value is not None]
+        if given:
+            raise ValueError(f"--devices lists every device; {', '.join(given)} describe uniform ones: leave them out")
         devices = parse_devices(ns.devices)
     else:
-        devices = (Device(ns.gpu_memory, ns.gpu_flops, ns.gpu_bandwidth),) * ns.gpus
+        memory = ns.gpu_memory if ns.gpu_memory is not None else parse_bytes("80GiB")
+        flops = ns.gpu_flops if ns.gpu_flops is not None else 400e12
+        bandwidth = ns.gpu_bandwidth if ns.gpu_bandwidth is not None else 2e12
+        devices = (Device(memory, flops, bandwidth),) * (ns.gpus or 8)
     return Cluster(devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth)
 
 
@@ -108,9 +116,10 @@ def _show(result: Plan, work: Workload, top: int) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    if not ns.profile and (ns.profile_ranks != 1 or ns.device != "cpu"):
+    if not ns.profile and (ns.profile_ranks != 1 or ns.device is not None):
         flag = "--profile-ranks" if ns.profile_ranks != 1 else "--device"
         raise ValueError(f"{flag} says how --profile measures; add --profile, or leave {flag} out")
+    device = ns.device or "cpu"
     model, sample, tokens = _model(ns)
     cluster = _cluster(ns)
     state = 4.0 if ns.optimizer == "adamw" else 3.0  # weights, gradients, and two moments or SGD's momentum
@@ -119,7 +128,7 @@ def run(ns: argparse.Namespace) -> int:
             raise ValueError("--profile-ranks above 1 profiles presets only; profile MODULE:FACTORY with one rank")
         work = workload_under_load(
             preset_model, (ns.model, ns.micro_batch, ns.seq_len), concurrent=ns.profile_ranks,
-            global_batch=ns.global_batch, tokens_per_sample=tokens, state_multiplier=state, measure_on=ns.device,
+            global_batch=ns.global_batch, tokens_per_sample=tokens, state_multiplier=state, measure_on=device,
             optimizer=ns.optimizer,
         )  # fmt: skip
     else:
@@ -130,7 +139,7 @@ def run(ns: argparse.Namespace) -> int:
             global_batch=ns.global_batch,
             tokens_per_sample=tokens,
             state_multiplier=state,
-            measure_on=ns.device if ns.profile else None,
+            measure_on=device if ns.profile else None,
             loss=loss,
             optimizer=ns.optimizer,
         )

@@ -21,9 +21,11 @@ def add(commands: Any) -> None:
     source = sched.add_mutually_exclusive_group(required=True)
     source.add_argument("name", nargs="?", choices=get_args(ScheduleName), help="a built-in schedule")
     source.add_argument("--file", type=Path, help="a schedule in text form ('rank 0: 0F0 0F1 0B0 ...')")
-    sched.add_argument("--stages", type=args.positive_int, default=4, help="stages (ranks x virtual stages)")
-    sched.add_argument("--microbatches", type=args.positive_int, default=8, help="micro-batches per step")
-    sched.add_argument("--virtual", type=args.positive_int, default=1, help="stages per rank (interleaved)")
+    sched.add_argument(
+        "--stages", type=args.positive_int, default=None, help="stages (ranks x virtual stages; default 4)"
+    )
+    sched.add_argument("--microbatches", type=args.positive_int, default=None, help="micro-batches per step (8)")
+    sched.add_argument("--virtual", type=args.positive_int, default=None, help="stages per rank (interleaved; 1)")
     sched.add_argument("--forward", type=float, default=1.0, help="time of one forward, per stage")
     sched.add_argument("--backward", type=float, default=None, help="time of one backward (default 2x forward)")
     sched.add_argument("--input-grad", type=float, default=None, help="time of I (default half of backward)")
@@ -35,10 +37,17 @@ def add(commands: Any) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
+    shape = {"--stages": ns.stages, "--microbatches": ns.microbatches, "--virtual": ns.virtual}
     if ns.file is not None:
+        given = [flag for flag, value in shape.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} shape a built-in schedule; a --file schedule has its own: leave them out"
+            )
         schedule = Schedule.load(ns.file)
     else:
-        schedule = build_schedule(ns.name, ns.stages, ns.microbatches, n_virtual=ns.virtual)
+        stages, microbatches, virtual = ns.stages or 4, ns.microbatches or 8, ns.virtual or 1
+        schedule = build_schedule(ns.name, stages, microbatches, n_virtual=virtual)
     costs = StageCosts.of(
         schedule.n_stages,
         forward=ns.forward,
