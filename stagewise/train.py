@@ -134,11 +134,6 @@ class TrainConfig:
             raise ValueError(f"stop_after must be in 1..steps={self.steps}, got {self.stop_after}")
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs checkpoint_dir: the folder to resume from")
-        if self.checkpoint_every and self.checkpoint_dir is None:
-            raise ValueError(
-                f"checkpoint_every={self.checkpoint_every} saves checkpoints, but there is no checkpoint_dir "
-                "(--no-checkpoints); give a checkpoint directory, or leave checkpoint_every out"
-            )
         preset(self.model)  # an unknown preset fails here, with the choices
         if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
             raise ValueError(

@@ -64,6 +64,11 @@ def test_invalid_arguments_are_refused_by_the_parser(argv: list[str], capsys: py
     assert "error:" in capsys.readouterr().err
 
 
+def test_checkpoints_every_n_steps_and_none_at_all_are_refused_together(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--no-checkpoints", "--checkpoint-every", "4"]) == 2
+    assert "--checkpoint-every 4 saves checkpoints, but --no-checkpoints writes none" in capsys.readouterr().err
+
+
 def test_a_device_the_parser_cannot_use_says_why(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, error in (
         (["partition", "--by", "time", "--device", "foo"], "'foo' is not a device; use cpu, cuda or cuda:N"),

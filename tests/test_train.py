@@ -248,8 +248,6 @@ def test_the_weight_gradient_options_reach_the_pipeline() -> None:
 def test_resume_without_a_checkpoint_dir_is_refused() -> None:
     with pytest.raises(ValueError, match=r"resume needs checkpoint_dir"):
         dataclasses.replace(BASE, resume=True)
-    with pytest.raises(ValueError, match=r"checkpoint_every=4 saves checkpoints, but there is no checkpoint_dir"):
-        dataclasses.replace(BASE, checkpoint_every=4)
     with pytest.raises(
         ValueError, match=r"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got 0"
     ):

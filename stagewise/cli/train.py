@@ -91,6 +91,11 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
     values = {k: v for k, v in vars(ns).items() if k in names}
     if values.get("seq_len") is None:
         values.pop("seq_len", None)
+    if ns.checkpoint_every and ns.checkpoint_dir is None:
+        raise ValueError(
+            f"--checkpoint-every {ns.checkpoint_every} saves checkpoints, but --no-checkpoints writes none; "
+            "leave one of them out"
+        )
     if ns.plan is not None:
         values.update(_planned(load_plan(ns.plan.read_text()), values))
     model = values.get("model", TrainConfig.model)
