@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -165,26 +166,26 @@ class Partition:
         except json.JSONDecodeError as err:
             raise ValueError(f"not a JSON partition: {err}") from err
         if not isinstance(data, dict) or "bounds" not in data:
-            raise ValueError("a JSON partition is an object with at least 'bounds', 'loads' and 'speeds'")
+            raise ValueError("a JSON partition is an object with at least 'bounds' (and loads, speeds, ... optional)")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown fields in JSON partition: {unknown}; expected a subset of {sorted(known)}")
-
-        def tup(key: str) -> tuple[Any, ...] | None:
-            value = data.get(key)
-            return None if value is None else tuple(value)
-
-        bounds = tuple(int(b) for b in data["bounds"])
+        bounds = _json_numbers(data, "bounds", whole=True) or ()  # Partition refuses empty bounds, saying why
         k = len(bounds) - 1
+        names = data.get("names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise ValueError(f"names in a JSON partition must be a list of strings, got {names!r}")
         return cls(
-            bounds=bounds,
-            loads=tuple(float(x) for x in data.get("loads", [0.0] * k)),
-            speeds=tuple(float(x) for x in data.get("speeds", [1.0] * k)),
-            memory=tup("memory"),
-            capacities=tup("capacities"),
-            names=tup("names"),
-            params=tup("params"),
+            bounds=tuple(int(b) for b in bounds),
+            loads=_json_numbers(data, "loads") or (0.0,) * k,
+            speeds=_json_numbers(data, "speeds", positive=True) or (1.0,) * k,
+            memory=_json_numbers(data, "memory"),
+            capacities=_json_numbers(data, "capacities", positive=True),
+            names=None if names is None else tuple(names),
+            params=None
+            if data.get("params") is None
+            else tuple(int(p) for p in _json_numbers(data, "params", whole=True) or ()),
         )
 
     @classmethod
@@ -196,3 +197,22 @@ class Partition:
             raise ValueError(f"bounds end at layer {b[-1]} but {len(w)} weights were given")
         loads = tuple(sum(w[b[s] : b[s + 1]]) for s in range(len(b) - 1))
         return cls(bounds=b, loads=loads, speeds=(1.0,) * len(loads))
+
+
+def _json_numbers(
+    data: dict[str, Any], key: str, *, positive: bool = False, whole: bool = False
+) -> tuple[float, ...] | None:
+    """``data[key]`` as finite numbers (> 0 with ``positive``, >= 0 otherwise; integers with ``whole``), or None."""
+    values = data.get(key)
+    if values is None:
+        return None
+    if not isinstance(values, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{key} in a JSON partition must be a list of numbers, got {values!r}")
+    bad = [
+        v for v in values if not math.isfinite(v) or (v <= 0 if positive else v < 0) or (whole and float(v) != int(v))
+    ]
+    if bad:
+        kind = "whole numbers" if whole else "numbers"
+        sign = "> 0" if positive else ">= 0"
+        raise ValueError(f"{key} in a JSON partition must be finite {kind} {sign}, got {values!r}")
+    return tuple(float(v) for v in values)

@@ -81,6 +81,12 @@ def test_field_lengths_are_checked() -> None:
         ("{not json", r"not a JSON partition"),
         ("[1, 2]", r"an object with at least 'bounds'"),
         ('{"bounds": [0, 1], "colour": 3}', r"unknown fields in JSON partition: \['colour'\]"),
+        ('{"bounds": [0, 2], "speeds": [0]}', r"speeds in a JSON partition must be finite numbers > 0, got \[0\]"),
+        ('{"bounds": [0, 2.7]}', r"bounds in a JSON partition must be finite whole numbers >= 0, got \[0, 2.7\]"),
+        ('{"bounds": [0, 2], "loads": [NaN]}', r"loads in a JSON partition must be finite numbers >= 0"),
+        ('{"bounds": [0, 2], "memory": ["x"]}', r"memory in a JSON partition must be a list of numbers, got \['x'\]"),
+        ('{"bounds": [0, 3], "names": "abc"}', r"names in a JSON partition must be a list of strings, got 'abc'"),
+        ('{"bounds": null}', r"bounds must start at 0 and strictly increase"),
     ],
 )
 def test_bad_json(text: str, pattern: str) -> None:
