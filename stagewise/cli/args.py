@@ -1,4 +1,4 @@
-"""Argument types shared by the commands: sizes, number lists, positive counts, per-stage values."""
+"""Argument types and checks shared by the commands: sizes, number lists, counts, devices, per-stage values."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from stagewise.models import PRESETS, GPTConfig
 from stagewise.units import parse_bytes
 
 
@@ -68,3 +69,9 @@ def device(text: str) -> str:
     if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text} does not exist: this machine has {torch.cuda.device_count()} GPUs")
     return text
+
+
+def check_seq_len(seq_len: int | None, model: str) -> None:
+    """Refuse ``--seq-len`` for a preset that reads no sequences (every preset but the GPT ones)."""
+    if seq_len is not None and not isinstance(PRESETS[model], GPTConfig):
+        raise ValueError(f"--seq-len applies to the GPT presets; {model} takes no sequence: leave it out")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from stagewise.cli import args
-from stagewise.models import PRESETS, GPTConfig
+from stagewise.models import PRESETS
 from stagewise.partition import By, MemorySchedule, balance_costs, profile
 from stagewise.pipeline import build, holdings
 from stagewise.units import format_bytes
@@ -39,8 +39,7 @@ def run(ns: argparse.Namespace) -> int:
     timed = ns.by == "time"
     if ns.device is not None and not timed:
         raise ValueError("--device says where --by time measures; add --by time, or leave --device out")
-    if ns.seq_len is not None and not isinstance(config, GPTConfig):
-        raise ValueError(f"--seq-len applies to the GPT presets; {ns.model} takes no sequence: leave it out")
+    args.check_seq_len(ns.seq_len, ns.model)
     model = config.build(device="meta")
     sample = config.example(ns.micro_batch_size, ns.seq_len)
     costs = profile(model, sample, time=timed, device=(ns.device or "cpu") if timed else None, progress=timed)

@@ -60,8 +60,7 @@ def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
         config = PRESETS[ns.model]
         if ns.input_shape is not None:
             raise ValueError(f"--input-shape applies to MODULE:FACTORY models; {ns.model} knows its input")
-        if ns.seq_len is not None and not isinstance(config, GPTConfig):
-            raise ValueError(f"--seq-len applies to the GPT presets; {ns.model} takes no sequence: leave it out")
+        args.check_seq_len(ns.seq_len, ns.model)
         sample = config.example(ns.micro_batch, ns.seq_len)
         tokens = int(sample.shape[1]) if isinstance(config, GPTConfig) else 1
         return config.build(device="meta"), sample, tokens
