@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagewise.cluster import Cluster, Device
-from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, balance
+from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, Tie, balance, stage_params
 from stagewise.pipeline import ScheduleName, StageCosts, build, holdings, peak_in_flight, simulate
 from stagewise.pipeline.simulate import SimulationResult
 from stagewise.workload import Workload
@@ -186,6 +186,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
             pooled=tuple(float(c.pooled_bytes) for c in costs),
             holdings=holdings(schedule, checkpointing=ckpt),  # with Pipeline's default weight-gradient pool
             shared=tuple(float(c.shared_bytes) for c in costs),
+            ties=tuple(Tie(tie.indices, tie.nbytes * workload.state_multiplier) for tie in workload.shared),
         ),
         capacities=[devices[schedule.rank_of(s)].memory / v - transient for s in range(n_stages)],
         transient=transient,
@@ -233,7 +234,10 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     )
     result = simulate(sched, stage_costs)
     devices = setting.devices
-    rank_params = [sum(costs[i].param_bytes for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
+    rank_params = [  # a stage keeps one copy of a tied parameter
+        sum(stage_params(costs, workload.shared, b[s], b[s + 1], nbytes=True) for s in sched.stages_of(r))
+        for r in range(pp)
+    ]
     allreduce = max(2 * (dp - 1) / dp * x / cluster.network_bandwidth for x in rank_params)
     per_param = workload.optimizer_seconds_per_param
     optimizer = max(
@@ -241,14 +245,14 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
         for x, d in zip(rank_params, devices, strict=True)
     )
     ties = 0.0
-    for layers, size in workload.shared:
-        holders = {sched.rank_of(part.stage_of(i)) for i in layers}
+    for tie in workload.shared:
+        holders = {sched.rank_of(part.stage_of(i)) for i in tie.indices}
         if len(holders) > 1:
             k = len(holders)
-            ties += cluster.link_latency + 2 * (k - 1) / k * size / cluster.link_bandwidth
+            ties += cluster.link_latency + 2 * (k - 1) / k * tie.nbytes / cluster.link_bandwidth
     step = result.step_time + allreduce + optimizer + ties
     memory = setting.memory  # held for backward: micro-batches in flight, and pooled weight gradients
-    fixed = [sum(memory.fixed[i] for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
+    fixed = [sum(memory.fixed_bytes(b[s], b[s + 1]) for s in sched.stages_of(r)) for r in range(pp)]
     held = [sum(memory.stage_bytes(s, b[s], b[s + 1]) for s in sched.stages_of(r)) for r in range(pp)]
     acts = [h - f + setting.transient for h, f in zip(held, fixed, strict=True)]
     return dataclasses.replace(

@@ -18,7 +18,7 @@ from torch import nn
 
 from stagewise.comm import Payload, as_tensors, launch
 from stagewise.models import preset
-from stagewise.partition import LayerCost, layers_of, profile, shared_parameters
+from stagewise.partition import LayerCost, SharedParameter, layers_of, profile, shared_parameters
 from stagewise.pipeline import LossFn
 
 Built: TypeAlias = "tuple[nn.Module, Payload, tuple[LossFn, Payload] | None]"
@@ -45,9 +45,9 @@ class Workload:
     """Measured optimizer-step time per parameter; None derives it from the device's memory bandwidth."""
     loss_seconds: tuple[float, float] = (0.0, 0.0)
     """Forward and backward seconds of the loss on one profiled micro-batch, when measured."""
-    shared: tuple[tuple[tuple[int, ...], int], ...] = ()
-    """Parameters several layers use (tied weights): those layers' indices and the bytes. Copies on different
-    ranks have their gradients summed every step."""
+    shared: tuple[SharedParameter, ...] = ()
+    """Parameters several layers use (tied weights). A stage keeps one copy; copies on different ranks have
+    their gradients summed every step."""
 
     def __post_init__(self) -> None:
         for name in ("profiled_batch", "global_batch", "tokens_per_sample"):
@@ -163,14 +163,9 @@ def workload(
             torch.set_num_threads(threads)
     else:
         costs = profile(model, sample)
-    layers = layers_of(model)
-    shared = []
-    for tie in shared_parameters(layers):
-        param = dict(layers[tie.indices[0]].module.named_parameters())[tie.attributes[0]]
-        shared.append((tie.indices, param.numel() * param.element_size()))
     return Workload(
         costs=tuple(costs),
-        shared=tuple(shared),
+        shared=tuple(shared_parameters(layers_of(model))),
         profiled_batch=batch,
         global_batch=global_batch,
         input_bytes=sum(t.numel() * t.element_size() for t in tensors),

@@ -119,6 +119,25 @@ def test_one_stage_has_no_bubble_and_bad_layouts_are_named() -> None:
     )
 
 
+def test_a_stage_counts_a_tied_weight_once() -> None:
+    """The tied embedding and head on one stage hold one copy: parameters and memory as the model's."""
+    work = gpt_workload("gpt-tiny-tied", 4, 64)
+    model = preset("gpt-tiny-tied").build(device="meta")
+    unique = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(work.shared) == 1 and sum(c.param_bytes for c in work.costs) > unique
+    buffers = sum(c.buffer_bytes for c in work.costs)
+    cluster = Cluster((Device(8 * GiB, 1e12),))
+    one = evaluate(Option(1, 1, 1, 1, "1f1b", False), work, cluster)
+    assert one.rejected is None
+    assert one.rank_memory[0] - one.rank_activation[0] == 4 * unique + buffers
+    two = evaluate(Option(2, 1, 1, 2, "1f1b", False), work, Cluster((Device(8 * GiB, 1e12),) * 2))
+    assert two.partition is not None
+    # On two stages each keeps its own copy of the tied weight, so together they hold one more than the model.
+    tied = work.shared[0].nbytes
+    held = [m - a for m, a in zip(two.rank_memory, two.rank_activation, strict=True)]
+    assert sum(held) == 4 * (unique + tied) + buffers
+
+
 def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "1GiB", "--global-batch", "8"]

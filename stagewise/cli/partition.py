@@ -8,7 +8,7 @@ from typing import Any, get_args
 
 from stagewise.cli import args
 from stagewise.models import PRESETS
-from stagewise.partition import By, MemorySchedule, balance_costs, profile
+from stagewise.partition import By, MemorySchedule, balance_costs, layers_of, profile, shared_parameters
 from stagewise.pipeline import build, holdings
 from stagewise.units import format_bytes
 
@@ -53,6 +53,7 @@ def run(ns: argparse.Namespace) -> int:
         n_microbatches=ns.microbatches,
         state_multiplier=ns.state_multiplier,
         holdings=holdings(build(ns.schedule, ns.stages, ns.microbatches)),  # Pipeline's default weight-gradient pool
+        shared=shared_parameters(layers_of(model)),  # tied weights: one copy per stage
     )
     total = sum(p.numel() for p in model.parameters())  # a tied parameter once
     shape = "x".join(str(d) for d in sample.shape)

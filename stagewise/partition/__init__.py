@@ -1,6 +1,6 @@
 """Split a chain of layers, or a traced model, into pipeline stages: exact, balanced, memory-aware (pure)."""
 
-from stagewise.partition.auto import By, auto, balance_costs
+from stagewise.partition.auto import By, auto, balance_costs, stage_params
 from stagewise.partition.balance import CapacityError, balance
 from stagewise.partition.graph import TraceError
 from stagewise.partition.layers import (
@@ -14,6 +14,7 @@ from stagewise.partition.layers import (
 from stagewise.partition.memory import Holding, MemoryModel, MemorySchedule, in_flight, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
 from stagewise.partition.split import Partition
+from stagewise.partition.tie import Tie
 from stagewise.partition.traced import Segment, TracedChain, repeated_blocks, trace
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "Payload",
     "Segment",
     "SharedParameter",
+    "Tie",
     "TraceError",
     "TracedChain",
     "auto",
@@ -41,5 +43,6 @@ __all__ = [
     "profile",
     "repeated_blocks",
     "shared_parameters",
+    "stage_params",
     "trace",
 ]

@@ -10,10 +10,11 @@ import torch
 from torch import nn
 
 from stagewise.partition.balance import Weights, balance
-from stagewise.partition.layers import Layer
+from stagewise.partition.layers import Layer, SharedParameter, layers_of, shared_parameters
 from stagewise.partition.memory import Holding, MemorySchedule, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
 from stagewise.partition.split import Partition
+from stagewise.partition.tie import Tie
 
 By = Literal["time", "flops", "params", "memory"]
 """What a stage's load counts: measured time, FLOPs, parameters, or bytes of memory."""
@@ -30,6 +31,7 @@ def balance_costs(
     n_microbatches: int = 1,
     state_multiplier: float = 4.0,
     holdings: Sequence[Sequence[Holding]] | None = None,
+    shared: Sequence[SharedParameter] = (),
 ) -> Partition:
     """Balance profiled layers by ``by``, within ``capacities`` under ``schedule``'s memory.
 
@@ -38,6 +40,9 @@ def balance_costs(
     activations times the micro-batches in flight on that stage, plus the
     pooled weight gradients of ``holdings``
     (``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default).
+    ``shared`` lists the parameters layers share
+    (:func:`~stagewise.partition.shared_parameters`): a stage holding several
+    of their layers keeps, and counts, one copy.
     """
     if by not in get_args(By):
         raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
@@ -50,6 +55,7 @@ def balance_costs(
         n_microbatches=n_microbatches,
         state_multiplier=state_multiplier,
         holdings=holdings,
+        shared=shared,
     )
     if by == "time":
         missing = [c.name for c in costs if c.time is None]
@@ -70,10 +76,22 @@ def balance_costs(
         memory=memory,
         capacities=capacities,
         names=[c.name for c in costs],
+        ties=[Tie(tie.indices, float(tie.numel)) for tie in shared] if by == "params" else (),
     )
     b = part.bounds
-    params = tuple(sum(c.params for c in costs[b[s] : b[s + 1]]) for s in range(part.n_stages))
+    params = tuple(stage_params(costs, shared, b[s], b[s + 1]) for s in range(part.n_stages))
     return dataclasses.replace(part, params=params)
+
+
+def stage_params(
+    costs: Sequence[LayerCost], shared: Sequence[SharedParameter], start: int, stop: int, *, nbytes: bool = False
+) -> int:
+    """Parameters (elements, or bytes with ``nbytes``) of layers ``start:stop``, each shared one counted once."""
+    repeats = sum(
+        (tie.nbytes if nbytes else tie.numel) * max(sum(start <= i < stop for i in tie.indices) - 1, 0)
+        for tie in shared
+    )
+    return sum(c.param_bytes if nbytes else c.params for c in costs[start:stop]) - repeats
 
 
 def auto(
@@ -98,6 +116,7 @@ def auto(
     if by not in get_args(By):
         raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
     costs = profile(model, sample, time=by == "time", device=device)
+    layers = layers_of(model) if isinstance(model, nn.Module) else list(model)
     return balance_costs(
         costs,
         n_stages,
@@ -108,4 +127,5 @@ def auto(
         n_microbatches=n_microbatches,
         state_multiplier=state_multiplier,
         holdings=holdings,
+        shared=shared_parameters(layers),
     )

@@ -12,6 +12,7 @@ import numpy as np
 from stagewise.partition.memory import Holding, MemoryModel
 from stagewise.partition.solver import FloatArray, RangeCost, SplitProblem, solve
 from stagewise.partition.split import Partition
+from stagewise.partition.tie import Tie, check_ties
 from stagewise.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _memory_cost(model: MemoryModel) -> RangeCost:
         heads += [None] if heads else []
     forms = [[(a, b) if pooling else (a,) for a, b in stage] for stage in moments]
     fixed = np.asarray(model.fixed, dtype=np.float64)
-    return RangeCost.of_layers(fixed, model.n_stages, y=y, forms=forms, heads=heads)
+    return RangeCost.of_layers(fixed, model.n_stages, y=y, forms=forms, heads=heads, ties=model.ties)
 
 
 def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str] | None) -> CapacityError:
@@ -153,6 +154,7 @@ def balance(
     memory: Weights | MemoryModel | None = None,
     capacities: Weights | None = None,
     names: Sequence[str] | None = None,
+    ties: Sequence[Tie] = (),
 ) -> Partition:
     """The contiguous split into ``n_stages`` non-empty stages that minimises the slowest stage.
 
@@ -169,6 +171,9 @@ def balance(
             bytes scale with each stage's micro-batches in flight.
         capacities: per-stage bytes available; requires ``memory``.
         names: per-layer names, used in the report and in error messages.
+        ties: amounts of ``weights`` that several layers include and a stage
+            counts once (tied parameters, when balancing parameters); a
+            :class:`MemoryModel` carries its own.
 
     Stage costs are differences of float64 prefix sums, and the split is
     exact for those: when the weights span more than about 1e15 (the sum over
@@ -210,10 +215,12 @@ def balance(
     _check_range(w, total, s)
 
     if weight_model is not None:
+        if ties:
+            raise ValueError("ties were given beside a MemoryModel as weights; put them in the model's ties instead")
         _check_model("weights", weight_model, n, n_stages)
         load_cost = _memory_cost(weight_model)
     else:
-        load_cost = RangeCost.of_layers(w, n_stages)
+        load_cost = RangeCost.of_layers(w, n_stages, ties=check_ties("ties", ties, w.tolist()))
     # Same sums, divided by each stage's speed: a stage's time is bit-for-bit load / speed.
     objective = dataclasses.replace(load_cost, divisor=s)
 

@@ -45,6 +45,10 @@ class SharedParameter:
     """The chain index of each of those layers."""
     attributes: tuple[str, ...]
     """Its dotted name inside each of those layers (``weight``, ``tokens.weight``)."""
+    numel: int = 0
+    """Its number of elements."""
+    nbytes: int = 0
+    """Its bytes."""
 
 
 def _children(prefix: str, container: nn.Module, flatten: bool) -> Iterator[Layer]:
@@ -78,6 +82,7 @@ def _declared(model: nn.Module, flatten: bool) -> Iterator[Layer]:
 def shared_parameters(layers: list[Layer]) -> list[SharedParameter]:
     """Parameters held by more than one layer, each listed once."""
     holders: dict[int, list[tuple[int, str]]] = {}
+    sizes: dict[int, tuple[int, int]] = {}
     for index, layer in enumerate(layers):
         seen: set[int] = set()
         for pname, param in layer.module.named_parameters(remove_duplicate=False):
@@ -85,14 +90,17 @@ def shared_parameters(layers: list[Layer]) -> list[SharedParameter]:
                 continue
             seen.add(id(param))
             holders.setdefault(id(param), []).append((index, pname))
+            sizes[id(param)] = (param.numel(), param.numel() * param.element_size())
     return [
         SharedParameter(
             layers=tuple(layers[i].name for i, _ in held),
             names=tuple(layers[i].qualify(a) for i, a in held),
             indices=tuple(i for i, _ in held),
             attributes=tuple(a for _, a in held),
+            numel=sizes[key][0],
+            nbytes=sizes[key][1],
         )
-        for held in holders.values()
+        for key, held in holders.items()
         if len(held) > 1
     ]
 

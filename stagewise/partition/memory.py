@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from stagewise.partition.layers import SharedParameter
 from stagewise.partition.profile import LayerCost
+from stagewise.partition.tie import Tie, check_ties
 
 MemorySchedule = Literal["gpipe", "1f1b", "zero-bubble"]
 """Schedules whose activation footprint has a closed form (see :func:`in_flight`)."""
@@ -51,6 +53,9 @@ class MemoryModel:
     """Per layer: bytes of ``activation`` that the layer before it saves too (:attr:`LayerCost.shared_bytes`),
     held once when both are on one stage; at most either layer's activation, and ignored for the first layer
     (nothing comes before it). Empty: none."""
+    ties: tuple[Tie, ...] = ()
+    """Bytes of ``fixed`` that several layers count and a stage holding any of them keeps once: tied
+    parameters with their gradients and optimizer state."""
 
     def __post_init__(self) -> None:
         if len(self.fixed) != len(self.activation) or len(self.pooled) not in (0, len(self.fixed)):
@@ -72,6 +77,7 @@ class MemoryModel:
                     f"shared[{i}] = {self.shared[i]} must be between 0 and the activation of layer {i} and of the "
                     f"layer before it ({most}): it is bytes both layers save"
                 )
+        check_ties("MemoryModel.ties", self.ties, self.fixed)
         if self.holdings and len(self.holdings) != len(self.in_flight):
             raise ValueError(
                 f"MemoryModel has in-flight counts for {len(self.in_flight)} stages but holdings for "
@@ -97,11 +103,16 @@ class MemoryModel:
         """Activation bytes that layers ``start:stop`` save for one micro-batch, a tensor two of them save once."""
         return sum(self.activation[start:stop]) - sum(self.shared[start + 1 : stop])
 
+    def fixed_bytes(self, start: int, stop: int) -> float:
+        """Fixed bytes of layers ``start:stop``, a tie among them counted once."""
+        repeats = sum(tie.amount * max(sum(start <= i < stop for i in tie.layers) - 1, 0) for tie in self.ties)
+        return sum(self.fixed[start:stop]) - repeats
+
     def stage_bytes(self, stage: int, start: int, stop: int) -> float:
         """Bytes that layers ``start:stop`` need when they form stage ``stage``."""
         kept = self.kept(start, stop)
         pooled = sum(self.pooled[start:stop])
-        return sum(self.fixed[start:stop]) + max(h.in_flight * kept + h.pooled * pooled for h in self.moments(stage))
+        return self.fixed_bytes(start, stop) + max(h.in_flight * kept + h.pooled * pooled for h in self.moments(stage))
 
 
 def in_flight(schedule: MemorySchedule, n_stages: int, n_microbatches: int) -> tuple[int, ...]:
@@ -133,6 +144,7 @@ def memory_model(
     n_microbatches: int = 1,
     state_multiplier: float = 4.0,
     holdings: Sequence[Sequence[Holding]] | None = None,
+    shared: Sequence[SharedParameter] = (),
 ) -> MemoryModel:
     """The memory model of profiled layers run under ``schedule``.
 
@@ -142,7 +154,9 @@ def memory_model(
     ``holdings`` adds the weight gradients a pipeline pools
     (:attr:`LayerCost.pooled_bytes`): pass
     ``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default;
-    without it only the micro-batches in flight count.
+    without it only the micro-batches in flight count. ``shared`` lists the
+    parameters layers share (:func:`~stagewise.partition.shared_parameters`),
+    which a stage keeps once however many of its layers use them.
     """
     if not 0 <= state_multiplier < math.inf:  # also refuses NaN
         raise ValueError(f"state_multiplier must be >= 0 and finite, got {state_multiplier}")
@@ -153,4 +167,5 @@ def memory_model(
         pooled=tuple(float(c.pooled_bytes) for c in costs) if holdings is not None else (),
         holdings=() if holdings is None else tuple(tuple(moments) for moments in holdings),
         shared=tuple(float(c.shared_bytes) for c in costs),
+        ties=tuple(Tie(tie.indices, tie.nbytes * state_multiplier) for tie in shared),
     )

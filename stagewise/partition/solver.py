@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from stagewise.partition.tie import Tie
+
 FloatArray = npt.NDArray[np.float64]
 
 # A closed interval [lo, hi] of layer positions; kept as a plain pair inside this
@@ -41,6 +43,11 @@ class RangeCost:
     head). Sums come from prefix arrays, so every cost is computed by one
     fixed formula; the solver's comparisons and the reported loads therefore
     agree to the bit. A head must keep costs monotone: ``0 <= head[i] <= y[i - 1] + head[i - 1]``.
+
+    With :attr:`ties`, ``x`` of a range counts each tie's amount once when the
+    range holds any of its layers: the prefix sums are of ``x`` less every
+    tie's amount, and each tie present adds its amount back. Both parts grow
+    with the range, so costs stay monotone in floating point too.
     """
 
     x_prefix: FloatArray
@@ -55,6 +62,8 @@ class RangeCost:
     """Each stage's one multiplier, when every stage has one form of one term (the common case); None otherwise."""
     heads: tuple[FloatArray | None, ...] = ()
     """Per ``y_t``: what a range starting at each layer adds to its sum, or None; empty: no heads."""
+    ties: tuple[Tie, ...] = ()
+    """Amounts of ``x`` that several layers include and a range counts once; ``x_prefix`` leaves them out."""
 
     @staticmethod
     def of_layers(
@@ -65,8 +74,10 @@ class RangeCost:
         forms: Sequence[Sequence[Sequence[float]]] = (),
         divisor: FloatArray | None = None,
         heads: Sequence[FloatArray | None] = (),
+        ties: Sequence[Tie] = (),
     ) -> RangeCost:
-        """Build from per-layer ``x`` and ``y_t``, each stage's forms (one multiplier per ``y_t`` each) and heads."""
+        """Build from per-layer ``x`` and ``y_t``, each stage's forms (one multiplier per ``y_t`` each), heads and
+        ties (checked by the caller: see :class:`Tie`)."""
 
         def prefix(values: FloatArray) -> FloatArray:
             return np.concatenate(([0.0], np.cumsum(values, dtype=np.float64)))
@@ -79,6 +90,11 @@ class RangeCost:
         if heads and len(heads) != len(y):
             raise ValueError(f"give one head (or None) per per-layer term ({len(y)}), got {len(heads)}")
         simple = len(y) == 1 and all(len(stage) == 1 for stage in shaped)
+        if ties:
+            x = np.array(x, dtype=np.float64)
+            for tie in ties:
+                x[list(tie.layers)] -= tie.amount
+            x = np.maximum(x, 0.0)  # rounding may leave a layer that is all ties an ulp below 0
         return RangeCost(
             x_prefix=prefix(x),
             y_prefix=tuple(prefix(v) for v in y),
@@ -88,6 +104,7 @@ class RangeCost:
             heads=tuple(None if h is None else np.asarray(h, dtype=np.float64) for h in heads)
             if any(h is not None for h in heads)
             else (),
+            ties=tuple(ties),
         )
 
     @property
@@ -97,7 +114,7 @@ class RangeCost:
     @property
     def plain(self) -> bool:
         """Whether the cost is a weighted sum of ``x`` alone, which prefix-sum searches can invert."""
-        return not self.y_prefix
+        return not self.y_prefix and not self.ties
 
     def _sum(self, t: int, start: int, stop: int) -> Any:
         """``y_t`` summed over layers ``start:stop``, with the head of ``start`` when the range is not empty."""
@@ -110,6 +127,9 @@ class RangeCost:
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
         total = self.x_prefix[stop] - self.x_prefix[start]
+        for tie in self.ties:
+            if tie.holds(start, stop):
+                total = total + tie.amount
         if self.y_prefix:
             if self.scale is not None:  # the common case, in the solver's inner loop
                 total = total + self.scale[stage] * self._sum(0, start, stop)
@@ -125,6 +145,11 @@ class RangeCost:
         """Cost of each layer of ``start:stop`` alone on ``stage``, by the same formula as :meth:`of`."""
         stop = self.n_layers if stop is None else stop
         total = self.x_prefix[start + 1 : stop + 1] - self.x_prefix[start:stop]
+        for tie in self.ties:  # adding 0 is exact, so each layer gets the same sum as in :meth:`of`
+            held = np.zeros(stop - start)
+            inside = [i - start for i in tie.layers if start <= i < stop]
+            held[inside] = tie.amount
+            total = total + held
         if self.y_prefix:
             sums = [y[start + 1 : stop + 1] - y[start:stop] for y in self.y_prefix]
             for t, head in enumerate(self.heads):

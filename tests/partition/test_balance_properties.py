@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from stagewise.partition import CapacityError, Holding, MemoryModel, balance
+from stagewise.partition import CapacityError, Holding, MemoryModel, Tie, balance
 
 # Integer-valued weights and memory make every sum exact in float64, so the
 # brute force and the solver agree to the bit, ties included.
@@ -20,6 +21,12 @@ def splits(n: int, k: int) -> list[tuple[int, ...]]:
     return [(0, *cuts, n) for cuts in itertools.combinations(range(1, n), k - 1)]
 
 
+def counted(values: list[float] | tuple[float, ...], ties: Sequence[Tie], start: int, stop: int) -> float:
+    """``values`` summed over layers ``start:stop``, a tie's amount counted once however many of its layers are in."""
+    repeats = sum(tie.amount * max(len([i for i in tie.layers if start <= i < stop]) - 1, 0) for tie in ties)
+    return sum(values[start:stop]) - repeats
+
+
 def need(memory: MemoryModel, stage: int, start: int, stop: int) -> float:
     """The documented bytes of layers ``start:stop`` as ``stage``: fixed, plus its fullest moment."""
     moments = memory.holdings[stage] if memory.holdings else (Holding(memory.in_flight[stage]),)
@@ -28,7 +35,7 @@ def need(memory: MemoryModel, stage: int, start: int, stop: int) -> float:
     # A tensor that two neighbouring layers of the stage save is held once: the second's shared bytes go.
     kept = sum(memory.activation[start:stop]) - sum(shared[i] for i in range(start + 1, stop))
     fullest = max(h.in_flight * kept + h.pooled * sum(pooled[start:stop]) for h in moments)
-    return sum(memory.fixed[start:stop]) + fullest
+    return counted(memory.fixed, memory.ties, start, stop) + fullest
 
 
 def brute(
@@ -37,6 +44,8 @@ def brute(
     speeds: list[float],
     memory: MemoryModel | None,
     capacities: list[float] | None,
+    *,
+    ties: Sequence[Tie] = (),
 ) -> tuple[float | None, list[tuple[int, ...]]]:
     """The optimal bottleneck and every split that reaches it (None: no split fits)."""
     best: float | None = None
@@ -48,12 +57,25 @@ def brute(
             and any(need(memory, j, b[j], b[j + 1]) > capacities[j] for j in range(k))
         ):
             continue
-        worst = max(sum(weights[b[j] : b[j + 1]]) / speeds[j] for j in range(k))
+        worst = max(counted(weights, ties, b[j], b[j + 1]) / speeds[j] for j in range(k))
         if best is None or worst < best:
             best, winners = worst, [b]
         elif worst == best:
             winners.append(b)
     return best, winners
+
+
+def draw_ties(draw: st.DrawFn, values: list[float]) -> tuple[Tie, ...]:
+    """Up to two ties among ``values``; a layer's ties add up to at most its value (whole numbers)."""
+    ties = []
+    left = list(values)
+    for _ in range(draw(st.integers(0, 2))):
+        layers = sorted(draw(st.sets(st.integers(0, len(values) - 1), min_size=1, max_size=len(values))))
+        amount = float(draw(st.integers(0, int(min(left[i] for i in layers)))))
+        for i in layers:
+            left[i] -= amount
+        ties.append(Tie(tuple(layers), amount))
+    return tuple(ties)
 
 
 @st.composite
@@ -64,6 +86,7 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
     speeds = (
         draw(st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 0.25]), min_size=k, max_size=k)) if with_speeds else None
     )
+    ties = draw_ties(draw, weights)  # tied parameters, when balancing parameters
     memory = capacities = None
     if with_capacities:
         pooling = draw(st.booleans())  # stages whose fullest moment may hold pooled weight gradients
@@ -71,8 +94,10 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
         activation = draw(st.lists(small_int, min_size=n, max_size=n))
         sharing = draw(st.booleans())  # neighbours that save a tensor both, held once on one stage
         shared = [0.0] + [float(draw(st.integers(0, int(min(a, b))))) for a, b in itertools.pairwise(activation)]
+        fixed = draw(st.lists(small_int, min_size=n, max_size=n))
         memory = MemoryModel(
-            fixed=tuple(draw(st.lists(small_int, min_size=n, max_size=n))),
+            fixed=tuple(fixed),
+            ties=draw_ties(draw, fixed),
             activation=tuple(activation),
             shared=tuple(shared) if sharing else (),
             in_flight=tuple(draw(st.lists(st.integers(0, 4), min_size=k, max_size=k))),
@@ -80,26 +105,28 @@ def problems(draw: st.DrawFn, with_speeds: bool, with_capacities: bool) -> dict[
             holdings=tuple(tuple(draw(st.lists(moment, min_size=1, max_size=3))) for _ in range(k)) if pooling else (),
         )
         capacities = draw(st.lists(st.integers(1, 150).map(float), min_size=k, max_size=k))
-    return {"weights": weights, "k": k, "speeds": speeds, "memory": memory, "capacities": capacities}
+    return {"weights": weights, "k": k, "speeds": speeds, "memory": memory, "capacities": capacities, "ties": ties}
 
 
 def check_against_brute(p: dict[str, object]) -> None:
     weights, k = p["weights"], p["k"]
     assert isinstance(weights, list) and isinstance(k, int)
     speeds = p["speeds"]
-    memory, capacities = p["memory"], p["capacities"]
+    memory, capacities, ties = p["memory"], p["capacities"], p["ties"]
     assert memory is None or isinstance(memory, MemoryModel)
-    best, winners = brute(weights, k, speeds or [1.0] * k, memory, capacities)  # type: ignore[arg-type]
+    assert isinstance(ties, tuple)
+    best, winners = brute(weights, k, speeds or [1.0] * k, memory, capacities, ties=ties)  # type: ignore[arg-type]
     if best is None:
         with pytest.raises(CapacityError):
-            balance(weights, k, speeds=speeds, memory=memory, capacities=capacities)  # type: ignore[arg-type]
+            balance(weights, k, speeds=speeds, memory=memory, capacities=capacities, ties=ties)  # type: ignore[arg-type]
         return
-    part = balance(weights, k, speeds=speeds, memory=memory, capacities=capacities)  # type: ignore[arg-type]
+    part = balance(weights, k, speeds=speeds, memory=memory, capacities=capacities, ties=ties)  # type: ignore[arg-type]
     assert part.bottleneck == best
     # Valid: covers every layer in order, no empty stage, capacities hold.
     b = part.bounds
     assert b[0] == 0 and b[-1] == len(weights) and len(b) == k + 1
     assert all(b[j] < b[j + 1] for j in range(k))
+    assert part.loads == tuple(counted(weights, ties, b[j], b[j + 1]) for j in range(k))
     if memory is not None and capacities is not None:
         assert all(need(memory, j, b[j], b[j + 1]) <= capacities[j] for j in range(k))
         assert part.memory == tuple(need(memory, j, b[j], b[j + 1]) for j in range(k))
@@ -142,6 +169,23 @@ def test_equals_brute_force_on_real_floats(weights: list[float], k: int) -> None
     best, _ = brute(weights, k, [1.0] * k, None, None)
     assert best is not None
     assert math.isclose(balance(weights, k).bottleneck, best, rel_tol=1e-12, abs_tol=1e-300)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 1e6, allow_nan=False, allow_infinity=False), min_size=2, max_size=12),
+    st.integers(1, 6),
+    st.data(),
+)
+def test_ties_on_real_floats(weights: list[float], k: int, data: st.DataObject) -> None:
+    """A tie as large as a layer's whole weight (an embedding's only parameter) rounds without losing the optimum."""
+    assume(k <= len(weights))
+    layers = sorted(data.draw(st.sets(st.integers(0, len(weights) - 1), min_size=2, max_size=len(weights))))
+    amount = min(weights[i] for i in layers)
+    ties = (Tie(tuple(layers), amount),)
+    best, _ = brute(weights, k, [1.0] * k, None, None, ties=ties)
+    assert best is not None
+    assert math.isclose(balance(weights, k, ties=ties).bottleneck, best, rel_tol=1e-9, abs_tol=1e-6)
 
 
 @settings(max_examples=300, deadline=None)

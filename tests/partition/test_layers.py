@@ -138,3 +138,4 @@ def test_tied_weights_are_detected_and_named() -> None:
     assert len(found) == 1
     assert found[0].layers == ("0", "2") and found[0].names == ("0.weight", "2.weight")
     assert found[0].indices == (0, 2) and found[0].attributes == ("weight", "weight")
+    assert found[0].numel == 40 and found[0].nbytes == 160

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from stagewise.partition import Holding, LayerCost, MemoryModel, in_flight, memory_model
+from stagewise.models import preset
+from stagewise.partition import (
+    Holding,
+    LayerCost,
+    MemoryModel,
+    Tie,
+    balance,
+    balance_costs,
+    in_flight,
+    layers_of,
+    memory_model,
+    profile,
+    shared_parameters,
+    stage_params,
+)
 
 
 def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0) -> LayerCost:
@@ -83,3 +99,42 @@ def test_a_stage_needs_its_fullest_moment() -> None:
     assert model.stage_bytes(1, 1, 2) == max(50 + 80, 2 * 80)  # b alone: two pooled backwards are the fuller moment
     plain = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0)
     assert (plain.pooled, plain.holdings, plain.stage_bytes(1, 0, 3)) == ((), (), 180)
+
+
+def test_a_stage_keeps_one_copy_of_a_tied_weight() -> None:
+    """What a stage of a tied GPT counts equals the parameters its layers really hold, for every split."""
+    config = preset("gpt-tiny-tied")
+    model = config.build(device="meta")
+    layers = layers_of(model)
+    shared = shared_parameters(layers)
+    assert len(shared) == 1 and shared[0].indices == (0, len(layers) - 1)
+    costs = profile(model, config.example(2))
+    memory = memory_model(costs, 1, state_multiplier=4.0, shared=shared)
+    n = len(layers)
+    for start in range(n):
+        for stop in range(start + 1, n + 1):
+            held = {id(p): p for layer in layers[start:stop] for p in layer.module.parameters()}.values()
+            assert stage_params(costs, shared, start, stop) == sum(p.numel() for p in held)
+            buffers = sum(b.numel() * b.element_size() for layer in layers[start:stop] for b in layer.module.buffers())
+            assert memory.fixed_bytes(start, stop) == 4 * sum(p.numel() * p.element_size() for p in held) + buffers
+    # The whole model on one stage: its parameters once, as model.parameters() lists them.
+    whole = balance_costs(costs, 1, by="params", shared=shared)
+    assert whole.params == (sum(p.numel() for p in model.parameters()),)
+    assert whole.loads == (float(whole.params[0]),)
+    assert whole.params[0] < sum(c.params for c in costs)  # what each layer counts: the tie twice
+
+
+def test_ties_that_do_not_fit_their_layers_are_refused() -> None:
+    fixed = (4.0, 1.0, 4.0)
+    with pytest.raises(ValueError, match=r"ties\[0\].layers is \[2, 0\]; give distinct indices in ascending order"):
+        MemoryModel(fixed, (0.0,) * 3, (1,), ties=(Tie((2, 0), 1.0),))
+    with pytest.raises(ValueError, match=r"ties\[0\].layers is \[0, 3\]; .* from 0 to 2"):
+        MemoryModel(fixed, (0.0,) * 3, (1,), ties=(Tie((0, 3), 1.0),))
+    with pytest.raises(ValueError, match=r"ties\[0\].amount must be finite and >= 0, got nan"):
+        MemoryModel(fixed, (0.0,) * 3, (1,), ties=(Tie((0, 2), math.nan),))
+    with pytest.raises(ValueError, match=r"ties\[1\] makes the ties of layer 1 add up to 2.0, more than its own value"):
+        MemoryModel(fixed, (0.0,) * 3, (1,), ties=(Tie((0, 1), 1.0), Tie((1, 2), 1.0)))
+    with pytest.raises(ValueError, match=r"ties\[0\] makes the ties of layer 1 add up to 3.0, more than its own"):
+        balance([4.0, 1.0, 4.0], 2, ties=[Tie((0, 1), 3.0)])
+    with pytest.raises(ValueError, match=r"beside a MemoryModel as weights; put them in the model's ties"):
+        balance(MemoryModel(fixed, (0.0,) * 3, (1,)), 1, ties=[Tie((0, 2), 1.0)])
