@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
@@ -72,10 +73,15 @@ class Cluster:
         return out
 
     def describe(self) -> str:
-        kinds: dict[Device, int] = {}
-        for d in self.devices:
-            kinds[d] = kinds.get(d, 0) + 1
-        return ", ".join(f"{n} x {format_bytes(d.memory)} at {d.flops:.3g} FLOP/s" for d, n in kinds.items())
+        """The devices in rank order, equal neighbours as one group: ``4 x 80.00 GiB at 4e+14 FLOP/s, ...``."""
+        bandwidths = {d.memory_bandwidth for d in self.devices}
+        groups = []
+        for device, run in itertools.groupby(self.devices):
+            text = f"{len(list(run))} x {format_bytes(device.memory)} at {device.flops:.3g} FLOP/s"
+            if len(bandwidths) > 1:
+                text += f" and {format_bytes(device.memory_bandwidth)}/s"
+            groups.append(text)
+        return ", ".join(groups)
 
 
 _GROUP = re.compile(r"^\s*(\d+)\s*x\s*([^@]+?)\s*@\s*([0-9.eE+-]+)\s*$")

@@ -80,6 +80,13 @@ def test_mixed_devices_shape_the_partition() -> None:
     assert mixed.partition.bounds[1] < same.partition.bounds[1]
     assert mixed.step_time < same.step_time
     assert parse_devices("2x80GiB@1e14,1x40GiB@3e13")[2] == Device(40 * GiB, 3e13)
+    # Described in rank order: groups that are not neighbours stay apart.
+    sandwich = Cluster(parse_devices("2x80GiB@1e14,1x40GiB@3e13,2x80GiB@1e14"))
+    assert sandwich.describe() == (
+        "2 x 80.00 GiB at 1e+14 FLOP/s, 1 x 40.00 GiB at 3e+13 FLOP/s, 2 x 80.00 GiB at 1e+14 FLOP/s"
+    )
+    slow = Cluster((Device(GiB, 1e12), Device(GiB, 1e12, memory_bandwidth=1e11)))
+    assert slow.describe().endswith("1 x 1.00 GiB at 1e+12 FLOP/s and 93.13 GiB/s")
     with pytest.raises(ValueError, match=r"cannot read the device group '2x80GiB'; write COUNTxMEMORY@FLOPS"):
         parse_devices("2x80GiB")
     with pytest.raises(ValueError, match=r"cannot read the FLOP/s '1.2.3' of the device group '2x80GiB@1.2.3'"):

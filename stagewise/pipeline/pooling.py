@@ -115,17 +115,18 @@ def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[H
 
 
 def holdings(
-    schedule: Schedule, fusion: WeightGradientFusion | None = None, *, checkpointing: bool = False
+    schedule: Schedule, fusion: WeightGradientFusion | None = WeightGradientFusion(), *, checkpointing: bool = False
 ) -> tuple[tuple[Holding, ...], ...]:
     """Per stage: the moments that can be its fullest, in micro-batches in flight and pooled (``MemoryModel.holdings``).
 
-    ``fusion`` is the weight-gradient accumulation of ``Pipeline``
-    (``WeightGradientFusion()``, its default, when None); where a rank pools
-    nothing each of its stages has one moment, its peak in flight.
+    ``fusion`` is what ``Pipeline`` was given as ``fuse_weight_gradients``,
+    with the same default; None, autograd's accumulation, pools nothing.
+    Where a rank pools nothing each of its stages has one moment, its peak in
+    flight.
     """
-    fusion = WeightGradientFusion() if fusion is None else fusion
     peaks = peak_in_flight(schedule)
-    limit = _fullest(schedule) if fusion.pool == "free" and not checkpointing else 0  # once, where it is used
+    free = fusion is not None and fusion.pool == "free" and not checkpointing
+    limit = _fullest(schedule) if free else 0  # once, where it is used
     out: list[tuple[Holding, ...]] = [()] * schedule.n_stages
     for rank, actions in enumerate(schedule.ranks):
         pool = _choose(fusion, actions, functools.partial(_free_pool, actions, limit), checkpointing)

@@ -42,7 +42,17 @@ def _check_each_once(schedule: Schedule, where: dict[Action, list[tuple[int, int
     def at(action: Action) -> str:
         return ", ".join(f"rank {r} action {i}" for r, i in where.get(action, []))
 
+    used = {action.stage for action in where}
     for stage in range(schedule.n_stages):
+        if stage not in used:
+            p = schedule.n_ranks
+            fix = f"give stage {stage} its forwards and backwards on rank {stage % p}"
+            if stage > max(used, default=-1):  # the count was rounded up to a multiple of the ranks
+                fix += f", or use stages 0 .. {stage - 1} on a number of ranks that divides {stage}"
+            raise ScheduleError(
+                f"stage {stage} has no actions at all; a schedule on {p} ranks has a multiple of {p} stages "
+                f"(rank r holds stages r, r + {p}, ...), here {schedule.n_stages}: {fix}"
+            )
         for mb in range(schedule.n_microbatches):
             label = f"stage {stage}, micro-batch {mb}"
             count = {kind: len(where.get(Action(stage, kind, mb), [])) for kind in Kind}

@@ -22,6 +22,17 @@ def test_a_valid_hand_written_schedule() -> None:
     [
         (("0F0 0F1 0B0", "1F0 1B0 1F1 1B1"), r"stage 0, micro-batch 1 has no backward \(B, or I then W\)"),
         (("0F0 0B0", "1B0"), r"stage 1, micro-batch 0 has no forward: add 1F0"),
+        (
+            ("0F0 2F0 2B0 0B0", "1F0 1B0"),  # three stages on two ranks: the count rounds up to four
+            r"stage 3 has no actions at all; a schedule on 2 ranks has a multiple of 2 stages \(rank r holds stages "
+            r"r, r \+ 2, ...\), here 4: give stage 3 its forwards and backwards on rank 1, or use stages 0 .. 2 on a "
+            r"number of ranks that divides 3",
+        ),
+        (
+            ("2F0 2B0", "1F0 3F0 3B0 1B0"),
+            r"stage 0 has no actions at all; .*: give stage 0 its forwards and backwards "
+            r"on rank 0$",
+        ),
         (("0F0 0F0 0B0", "1F0 1B0"), r"stage 0, micro-batch 0 has 2 F actions \(rank 0 action 0, rank 0 action 1\)"),
         (("0F0 0I0", "1F0 1B0"), r"stage 0, micro-batch 0 has 0I0 but no W: its weight gradient is never computed"),
         (("0F0 0B0 0W0", "1F0 1B0"), r"has a W after a full backward B"),
