@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stagewise.cluster import Cluster, Device
-from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, Tie, balance, stage_params
+from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, Tie, balance, params_of
 from stagewise.pipeline import ScheduleName, StageCosts, build, holdings, peak_in_flight, simulate
 from stagewise.pipeline.simulate import SimulationResult
 from stagewise.workload import Workload
@@ -234,10 +234,9 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     )
     result = simulate(sched, stage_costs)
     devices = setting.devices
-    rank_params = [  # a stage keeps one copy of a tied parameter
-        sum(stage_params(costs, workload.shared, b[s], b[s + 1], nbytes=True) for s in sched.stages_of(r))
-        for r in range(pp)
-    ]
+    # Each rank's layers over all its stages: Pipeline keeps one copy of a tied parameter per rank.
+    rank_layers = [frozenset(i for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
+    rank_params = [params_of(costs, workload.shared, layers, nbytes=True) for layers in rank_layers]
     allreduce = max(2 * (dp - 1) / dp * x / cluster.network_bandwidth for x in rank_params)
     per_param = workload.optimizer_seconds_per_param
     optimizer = max(
@@ -252,9 +251,12 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
             ties += cluster.link_latency + 2 * (k - 1) / k * tie.nbytes / cluster.link_bandwidth
     step = result.step_time + allreduce + optimizer + ties
     memory = setting.memory  # held for backward: micro-batches in flight, and pooled weight gradients
-    fixed = [sum(memory.fixed_bytes(b[s], b[s + 1]) for s in sched.stages_of(r)) for r in range(pp)]
-    held = [sum(memory.stage_bytes(s, b[s], b[s + 1]) for s in sched.stages_of(r)) for r in range(pp)]
-    acts = [h - f + setting.transient for h, f in zip(held, fixed, strict=True)]
+    fixed = [memory.fixed_bytes(layers) for layers in rank_layers]
+    acts = [
+        sum(memory.stage_bytes(s, b[s], b[s + 1]) - memory.fixed_bytes(stage[s]) for s in sched.stages_of(r))
+        + setting.transient
+        for r in range(pp)
+    ]
     return dataclasses.replace(
         option,
         partition=part,

@@ -145,6 +145,18 @@ def test_a_stage_counts_a_tied_weight_once() -> None:
     assert sum(held) == 4 * (unique + tied) + buffers
 
 
+def test_a_rank_holding_both_ends_of_a_tie_in_two_stages_counts_it_once() -> None:
+    # Interleaved, pp=2 x v=2: rank 0 holds stages 0 and 2, whose linears share one weight; Pipeline keeps one
+    # copy per rank (it reties across the rank's stages), so the rank's parameter state counts it once.
+    model = nn.Sequential(nn.Linear(256, 256, bias=False), nn.Tanh(), nn.Linear(256, 256, bias=False), nn.Tanh())
+    model[2].weight = model[0].weight
+    work = workload(model, torch.randn(4, 256), global_batch=8)
+    option = evaluate(Option(2, 1, 2, 2, "interleaved-1f1b", False), work, Cluster((Device(GiB, 1e12),) * 2))
+    assert option.partition is not None and option.partition.bounds == (0, 1, 2, 3, 4)
+    held = [m - a for m, a in zip(option.rank_memory, option.rank_activation, strict=True)]
+    assert held == [4 * 256 * 256 * 4, 0]
+
+
 def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
     argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "1GiB", "--global-batch", "8"]

@@ -1,6 +1,6 @@
 """Split a chain of layers, or a traced model, into pipeline stages: exact, balanced, memory-aware (pure)."""
 
-from stagewise.partition.auto import By, auto, balance_costs, stage_params
+from stagewise.partition.auto import By, auto, balance_costs, params_of
 from stagewise.partition.balance import CapacityError, balance
 from stagewise.partition.graph import TraceError
 from stagewise.partition.layers import (
@@ -40,9 +40,9 @@ __all__ = [
     "in_flight",
     "layers_of",
     "memory_model",
+    "params_of",
     "profile",
     "repeated_blocks",
     "shared_parameters",
-    "stage_params",
     "trace",
 ]

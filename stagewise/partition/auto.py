@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, get_args
 
 import torch
@@ -79,19 +79,19 @@ def balance_costs(
         ties=[Tie(tie.indices, float(tie.numel)) for tie in shared] if by == "params" else (),
     )
     b = part.bounds
-    params = tuple(stage_params(costs, shared, b[s], b[s + 1]) for s in range(part.n_stages))
+    params = tuple(params_of(costs, shared, range(b[s], b[s + 1])) for s in range(part.n_stages))
     return dataclasses.replace(part, params=params)
 
 
-def stage_params(
-    costs: Sequence[LayerCost], shared: Sequence[SharedParameter], start: int, stop: int, *, nbytes: bool = False
+def params_of(
+    costs: Sequence[LayerCost], shared: Sequence[SharedParameter], layers: Collection[int], *, nbytes: bool = False
 ) -> int:
-    """Parameters (elements, or bytes with ``nbytes``) of layers ``start:stop``, each shared one counted once."""
+    """Parameters (elements, or bytes with ``nbytes``) of ``layers`` (indices: a stage's ``range(start, stop)``, or
+    a rank's stages together), each shared one counted once."""
     repeats = sum(
-        (tie.nbytes if nbytes else tie.numel) * max(sum(start <= i < stop for i in tie.indices) - 1, 0)
-        for tie in shared
+        (tie.nbytes if nbytes else tie.numel) * max(sum(i in layers for i in tie.indices) - 1, 0) for tie in shared
     )
-    return sum(c.param_bytes if nbytes else c.params for c in costs[start:stop]) - repeats
+    return sum(costs[i].param_bytes if nbytes else costs[i].params for i in layers) - repeats
 
 
 def auto(

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -107,6 +108,29 @@ def _memory_cost(model: MemoryModel) -> RangeCost:
     return RangeCost.of_layers(fixed, model.n_stages, y=y, forms=forms, heads=heads, ties=model.ties)
 
 
+@dataclass(frozen=True)
+class _Shown:
+    """A need and a capacity as a message shows them."""
+
+    need: str
+    capacity: str
+    over: str
+    note: str
+
+
+def _sizes(need: float, capacity: float) -> _Shown:
+    """In bytes with units; as exact numbers where they differ by less than a byte or the units would show them
+    equal (fractions that round)."""
+    if need - capacity >= 1 and format_bytes(need) != format_bytes(capacity):
+        return _Shown(format_bytes(need), format_bytes(capacity), format_bytes(need - capacity), "")
+    return _Shown(
+        repr(need),
+        repr(capacity),
+        repr(need - capacity),
+        " (float64 sums round: give sizes in whole bytes, or a capacity a little larger)",
+    )
+
+
 def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str] | None) -> CapacityError:
     """Why no split fits: a layer too big for every stage, or the stage that overflows at the best split."""
     k = model.n_stages
@@ -117,9 +141,10 @@ def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str]
         i = int(np.flatnonzero(~fits_somewhere)[0])
         best = int(np.argmin(per_stage[:, i] - caps))
         need, cap = float(per_stage[best, i]), float(caps[best])
+        shown = _sizes(need, cap)
         return CapacityError(
-            f"{_layer_label(i, names)} alone needs {format_bytes(need)} on stage {best}, where it comes closest "
-            f"to fitting (capacity {format_bytes(cap)}), and more than the capacity on every other stage; "
+            f"{_layer_label(i, names)} alone needs {shown.need} on stage {best}, where it comes closest "
+            f"to fitting (capacity {shown.capacity}), and more than the capacity on every other stage{shown.note}; "
             f"no stage can hold it. Give stage {best}'s device more memory, shrink the layer, or lower its "
             "activation memory (fewer micro-batches in flight, smaller micro-batches).",
             stage=None,
@@ -134,11 +159,12 @@ def _explain_overflow(model: MemoryModel, caps: FloatArray, names: Sequence[str]
     over = [mem.of(j, b[j], b[j + 1]) - float(caps[j]) for j in range(k)]
     s = int(np.argmax([mem.of(j, b[j], b[j + 1]) / float(caps[j]) for j in range(k)]))
     need = mem.of(s, b[s], b[s + 1])
+    shown = _sizes(need, float(caps[s]))
     return CapacityError(
         f"no split of {model.n_layers} layers into {k} stages fits the capacities: at the split that "
         f"uses the least of each device's memory (bounds {list(b)}), {_stage_label(s, b[s], b[s + 1], names)} "
-        f"needs {format_bytes(need)} > capacity {format_bytes(float(caps[s]))}, "
-        f"over by {format_bytes(over[s])}. Use more stages, devices with more memory, "
+        f"needs {shown.need} > capacity {shown.capacity}, over by {shown.over}{shown.note}. "
+        "Use more stages, devices with more memory, "
         "or fewer micro-batches in flight.",
         stage=s,
         layer=None,
@@ -158,9 +184,10 @@ def balance(
 ) -> Partition:
     """The contiguous split into ``n_stages`` non-empty stages that minimises the slowest stage.
 
-    Stage ``s`` costs ``sum(weights of its layers) / speeds[s]``; the result
-    minimises the maximum of that over stages, exactly (property-tested
-    against brute force), subject to ``memory of stage s <= capacities[s]``.
+    Stage ``s`` costs ``sum(weights of its layers) / speeds[s]``, each of
+    ``ties`` counted once; the result minimises the maximum of that over
+    stages, exactly (property-tested against brute force), subject to
+    ``memory of stage s <= capacities[s]``.
 
     Args:
         weights: per-layer cost (time, FLOPs, parameters, ...), finite and >= 0;
@@ -239,6 +266,8 @@ def balance(
             raise ValueError("capacities were given without memory; pass memory= (per-layer bytes or a MemoryModel)")
         caps = _vector("capacities", capacities, length=n_stages, positive=True)
     constraint = _memory_cost(model) if model is not None else None
+    for field, cost in (("weights", load_cost), ("memory", constraint)):
+        _check_finite(field, cost, n)
 
     solution = solve(SplitProblem(n_stages, objective, constraint if caps is not None else None, caps))
     if solution is None:
@@ -255,6 +284,19 @@ def balance(
     )
     log.debug("balanced %d layers into %d stages: bounds %s, bottleneck %.6g", n, n_stages, b, part.bottleneck)
     return part
+
+
+def _check_finite(field: str, cost: RangeCost | None, n_layers: int) -> None:
+    """Refuse a cost whose whole model overflows float64 on some stage: its sums would be inf or NaN."""
+    if cost is None:
+        return
+    for stage in range(len(cost.divisor)):
+        whole = cost.of(stage, 0, n_layers)
+        if not math.isfinite(whole):
+            raise ValueError(
+                f"{field}: all layers together on stage {stage} come to {whole!r}, which overflows float64; "
+                "give the sizes in larger units (only their ratios to the capacities matter)"
+            )
 
 
 def _check_range(w: FloatArray, total: float, speeds: FloatArray) -> None:

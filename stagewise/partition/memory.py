@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -54,8 +54,9 @@ class MemoryModel:
     held once when both are on one stage; at most either layer's activation, and ignored for the first layer
     (nothing comes before it). Empty: none."""
     ties: tuple[Tie, ...] = ()
-    """Bytes of ``fixed`` that several layers count and a stage holding any of them keeps once: tied
-    parameters with their gradients and optimizer state."""
+    """Bytes of ``fixed`` that several layers count and a stage holding any of them counts once: tied
+    parameters with their gradients and optimizer state. ``Pipeline`` keeps one copy per rank, so with
+    several stages per rank (interleaved) counting per stage errs on the safe side."""
 
     def __post_init__(self) -> None:
         if len(self.fixed) != len(self.activation) or len(self.pooled) not in (0, len(self.fixed)):
@@ -103,16 +104,19 @@ class MemoryModel:
         """Activation bytes that layers ``start:stop`` save for one micro-batch, a tensor two of them save once."""
         return sum(self.activation[start:stop]) - sum(self.shared[start + 1 : stop])
 
-    def fixed_bytes(self, start: int, stop: int) -> float:
-        """Fixed bytes of layers ``start:stop``, a tie among them counted once."""
-        repeats = sum(tie.amount * max(sum(start <= i < stop for i in tie.layers) - 1, 0) for tie in self.ties)
-        return sum(self.fixed[start:stop]) - repeats
+    def fixed_bytes(self, layers: Collection[int]) -> float:
+        """Fixed bytes of ``layers`` (indices: a stage's ``range(start, stop)``, or a rank's stages together), a tie
+        among them counted once."""
+        repeats = sum(tie.amount * max(sum(i in layers for i in tie.layers) - 1, 0) for tie in self.ties)
+        return sum(self.fixed[i] for i in layers) - repeats
 
     def stage_bytes(self, stage: int, start: int, stop: int) -> float:
         """Bytes that layers ``start:stop`` need when they form stage ``stage``."""
         kept = self.kept(start, stop)
         pooled = sum(self.pooled[start:stop])
-        return self.fixed_bytes(start, stop) + max(h.in_flight * kept + h.pooled * pooled for h in self.moments(stage))
+        return self.fixed_bytes(range(start, stop)) + max(
+            h.in_flight * kept + h.pooled * pooled for h in self.moments(stage)
+        )
 
 
 def in_flight(schedule: MemorySchedule, n_stages: int, n_microbatches: int) -> tuple[int, ...]:
@@ -156,7 +160,7 @@ def memory_model(
     ``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default;
     without it only the micro-batches in flight count. ``shared`` lists the
     parameters layers share (:func:`~stagewise.partition.shared_parameters`),
-    which a stage keeps once however many of its layers use them.
+    which a stage counts once however many of its layers use them.
     """
     if not 0 <= state_multiplier < math.inf:  # also refuses NaN
         raise ValueError(f"state_multiplier must be >= 0 and finite, got {state_multiplier}")

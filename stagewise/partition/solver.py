@@ -29,6 +29,13 @@ def _weighted(form: tuple[float, ...], sums: Sequence[Any]) -> Any:
     return value
 
 
+def _starts(y_prefix: FloatArray, head: FloatArray) -> FloatArray:
+    """``G = Y - head`` per start, non-decreasing: where rounding made it fall, lowered to what comes after."""
+    begin = y_prefix[:-1] - np.asarray(head, dtype=np.float64)
+    out: FloatArray = np.minimum.accumulate(begin[::-1])[::-1]
+    return out
+
+
 @dataclass(frozen=True)
 class RangeCost:
     """Cost of layers ``start:stop`` on stage ``j``: ``(sum x + held) / divisor[j]``.
@@ -43,6 +50,11 @@ class RangeCost:
     head). Sums come from prefix arrays, so every cost is computed by one
     fixed formula; the solver's comparisons and the reported loads therefore
     agree to the bit. A head must keep costs monotone: ``0 <= head[i] <= y[i - 1] + head[i - 1]``.
+    A range's sum is then ``Y[stop] - G[start]``, where ``Y`` is the prefix
+    sum of ``y_t`` and ``G = Y - head`` per start, lowered where rounding
+    left it falling (by an ulp or so, which can only raise a cost), so that
+    costs are monotone in floating point as well: a range never costs less
+    than one inside it.
 
     With :attr:`ties`, ``x`` of a range counts each tie's amount once when the
     range holds any of its layers: the prefix sums are of ``x`` less every
@@ -60,8 +72,9 @@ class RangeCost:
     """Per-stage divisor (a stage's speed, or 1)."""
     scale: FloatArray | None = None
     """Each stage's one multiplier, when every stage has one form of one term (the common case); None otherwise."""
-    heads: tuple[FloatArray | None, ...] = ()
-    """Per ``y_t``: what a range starting at each layer adds to its sum, or None; empty: no heads."""
+    starts: tuple[FloatArray | None, ...] = ()
+    """Per ``y_t`` with a head: ``G``, what a range's sum subtracts from ``Y[stop]`` per start (non-decreasing,
+    one per layer); None without a head; empty: no heads."""
     ties: tuple[Tie, ...] = ()
     """Amounts of ``x`` that several layers include and a range counts once; ``x_prefix`` leaves them out."""
 
@@ -101,7 +114,7 @@ class RangeCost:
             forms=shaped if y else (),
             divisor=np.ones(n_stages, dtype=np.float64) if divisor is None else np.asarray(divisor, dtype=np.float64),
             scale=np.array([stage[0][0] for stage in shaped], dtype=np.float64) if simple else None,
-            heads=tuple(None if h is None else np.asarray(h, dtype=np.float64) for h in heads)
+            starts=tuple(None if h is None else _starts(prefix(v), h) for v, h in zip(y, heads, strict=True))
             if any(h is not None for h in heads)
             else (),
             ties=tuple(ties),
@@ -119,10 +132,10 @@ class RangeCost:
     def _sum(self, t: int, start: int, stop: int) -> Any:
         """``y_t`` summed over layers ``start:stop``, with the head of ``start`` when the range is not empty."""
         y = self.y_prefix[t]
-        head = self.heads[t] if self.heads else None
-        if head is None or stop <= start:
+        begin = self.starts[t] if self.starts else None
+        if begin is None or stop <= start:
             return y[stop] - y[start]
-        return y[stop] - y[start] + head[start]
+        return y[stop] - begin[start]
 
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
@@ -152,9 +165,9 @@ class RangeCost:
             total = total + held
         if self.y_prefix:
             sums = [y[start + 1 : stop + 1] - y[start:stop] for y in self.y_prefix]
-            for t, head in enumerate(self.heads):
-                if head is not None:
-                    sums[t] = sums[t] + head[start:stop]
+            for t, begin in enumerate(self.starts):
+                if begin is not None:
+                    sums[t] = self.y_prefix[t][start + 1 : stop + 1] - begin[start:stop]
             total = total + functools.reduce(np.maximum, (_weighted(form, sums) for form in self.forms[stage]))
         out: FloatArray = total / self.divisor[stage]
         return out

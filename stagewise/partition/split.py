@@ -27,7 +27,7 @@ class Partition:
     bounds: tuple[int, ...]
     """Stage boundaries: ``bounds[0] == 0``, strictly increasing, ``bounds[-1] == n_layers``."""
     loads: tuple[float, ...]
-    """Per stage: the summed weight of its layers (time, FLOPs, parameters or bytes)."""
+    """Per stage: the summed weight of its layers (time, FLOPs, parameters or bytes), a tie among them counted once."""
     speeds: tuple[float, ...]
     """Per stage: the relative speed of its device; a stage's time is ``load / speed``."""
     memory: tuple[float, ...] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,12 +23,18 @@ class Tie:
     layers: tuple[int, ...]
     """The layers whose value includes it: distinct chain indices, ascending."""
     amount: float
-    """What each of those layers' value includes: finite and >= 0; a layer's ties add up to at most its value."""
+    """What each of those layers' value includes: finite and >= 0; a layer's ties add up to at most its value (up to
+    rounding)."""
 
     def holds(self, start: int, stop: int) -> bool:
         """Whether layers ``start:stop`` include one of :attr:`layers` or more."""
         i = bisect.bisect_left(self.layers, start)
         return i < len(self.layers) and self.layers[i] < stop
+
+
+_ROUNDING = 1e-12
+"""How far a layer's ties may add up beyond its value: ``nbytes * 1.3`` of two tied tensors can round to an ulp
+more than the layer's ``param_bytes * 1.3``."""
 
 
 def check_ties(field: str, ties: Sequence[Tie], values: Sequence[float]) -> tuple[Tie, ...]:
@@ -38,8 +45,8 @@ def check_ties(field: str, ties: Sequence[Tie], values: Sequence[float]) -> tupl
         if not isinstance(tie, Tie):
             raise TypeError(f"{field}[{k}] must be a stagewise.partition.Tie, got {type(tie).__name__}")
         layers = tie.layers
-        if not layers or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-            raise ValueError(f"{field}[{k}].layers must be one or more layer indices, got {layers!r}")
+        if not layers or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in layers):
+            raise ValueError(f"{field}[{k}].layers must be one or more whole layer indices, got {layers!r}")
         if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= n:
             raise ValueError(
                 f"{field}[{k}].layers is {list(layers)}; give distinct indices in ascending order, from 0 to {n - 1}"
@@ -48,7 +55,7 @@ def check_ties(field: str, ties: Sequence[Tie], values: Sequence[float]) -> tupl
             raise ValueError(f"{field}[{k}].amount must be finite and >= 0, got {tie.amount!r}")
         for i in layers:
             held[i] += tie.amount
-            if held[i] > values[i]:
+            if held[i] > values[i] * (1 + _ROUNDING):
                 raise ValueError(
                     f"{field}[{k}] makes the ties of layer {i} add up to {held[i]!r}, more than its own value "
                     f"{values[i]!r}; a tie is part of each of its layers' values, so a layer's ties add up to at "

@@ -220,3 +220,36 @@ def test_scaling_weights_scales_the_bottleneck(weights: list[float], k: int, fac
     base = balance(weights, k).bottleneck
     scaled = balance([w * factor for w in weights], k).bottleneck
     assert math.isclose(scaled, base * factor, rel_tol=1e-12, abs_tol=1e-300)
+
+
+def test_shared_activations_in_gib_fit_where_the_formula_says() -> None:
+    # Fractions of a GiB: the prefix sums round, and the stage's bytes once came out a little higher when the
+    # range started one layer earlier, which broke the search ("reachable sets and witness disagree").
+    memory = MemoryModel((0.0,) * 4, (0.3, 0.5, 0.1, 0.5), (1,), shared=(0.0, 0.3, 0.1, 0.1))
+    assert balance(memory, 1, memory=memory, capacities=[0.9]).bounds == (0, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_shared_activations_on_real_floats(data: st.DataObject) -> None:
+    """Float activations that neighbours share: the search never fails, and every split it could take fits."""
+    n = data.draw(st.integers(2, 8))
+    k = data.draw(st.integers(1, min(4, n)))
+    value = st.one_of(st.floats(0, 1), st.floats(0, 1e6), st.sampled_from([0.1, 0.3, 0.5, 0.7]))
+    activation = data.draw(st.lists(value, min_size=n, max_size=n))
+    shared = [0.0] + [
+        min(a, b) * data.draw(st.sampled_from([0.0, 0.5, 1.0])) for a, b in itertools.pairwise(activation)
+    ]
+    memory = MemoryModel(
+        fixed=tuple(data.draw(st.lists(value, min_size=n, max_size=n))),
+        activation=tuple(activation),
+        in_flight=tuple(data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))),
+        shared=tuple(shared),
+    )
+    chosen = data.draw(st.sampled_from(splits(n, k)))
+    # Prefix sums round by about an ulp of the whole model's bytes: give that much room, and never none.
+    slack = 1e-9 * (sum(memory.fixed) + 3 * sum(activation)) + 1e-300
+    room = [memory.stage_bytes(j, chosen[j], chosen[j + 1]) * (1 + 1e-9) + slack for j in range(k)]
+    part = balance(memory, k, memory=memory, capacities=room)  # the chosen split fits, so some split does
+    assert part.memory is not None and all(m <= c for m, c in zip(part.memory, room, strict=True))
+    assert part.bottleneck <= max(room)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from stagewise.models import preset
 from stagewise.partition import (
+    CapacityError,
     Holding,
     LayerCost,
     MemoryModel,
@@ -17,9 +21,9 @@ from stagewise.partition import (
     in_flight,
     layers_of,
     memory_model,
+    params_of,
     profile,
     shared_parameters,
-    stage_params,
 )
 
 
@@ -114,9 +118,11 @@ def test_a_stage_keeps_one_copy_of_a_tied_weight() -> None:
     for start in range(n):
         for stop in range(start + 1, n + 1):
             held = {id(p): p for layer in layers[start:stop] for p in layer.module.parameters()}.values()
-            assert stage_params(costs, shared, start, stop) == sum(p.numel() for p in held)
+            assert params_of(costs, shared, range(start, stop)) == sum(p.numel() for p in held)
             buffers = sum(b.numel() * b.element_size() for layer in layers[start:stop] for b in layer.module.buffers())
-            assert memory.fixed_bytes(start, stop) == 4 * sum(p.numel() * p.element_size() for p in held) + buffers
+            assert (
+                memory.fixed_bytes(range(start, stop)) == 4 * sum(p.numel() * p.element_size() for p in held) + buffers
+            )
     # The whole model on one stage: its parameters once, as model.parameters() lists them.
     whole = balance_costs(costs, 1, by="params", shared=shared)
     assert whole.params == (sum(p.numel() for p in model.parameters()),)
@@ -138,3 +144,28 @@ def test_ties_that_do_not_fit_their_layers_are_refused() -> None:
         balance([4.0, 1.0, 4.0], 2, ties=[Tie((0, 1), 3.0)])
     with pytest.raises(ValueError, match=r"beside a MemoryModel as weights; put them in the model's ties"):
         balance(MemoryModel(fixed, (0.0,) * 3, (1,)), 1, ties=[Tie((0, 2), 1.0)])
+
+
+def test_ties_round_like_the_sizes_they_come_from() -> None:
+    # A layer holding two tied tensors: nbytes * 1.3 of each can add up to an ulp more than param_bytes * 1.3.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    model[2].weight, model[2].bias = model[0].weight, model[0].bias
+    costs = profile(model, torch.zeros(2, 6, device="meta"))
+    shared = shared_parameters(layers_of(model))
+    part = balance_costs(costs, 2, state_multiplier=1.3, capacities=[1e9, 1e9], shared=shared)
+    assert part.params == (42, 42)
+    # Indices from numpy are whole numbers too.
+    assert balance([4.0, 1.0, 4.0], 1, ties=[Tie((np.int64(0), np.int64(2)), 1.0)]).loads == (8.0,)
+
+
+def test_sizes_that_overflow_or_round_say_so() -> None:
+    with pytest.raises(ValueError, match=r"memory: all layers together on stage 0 come to inf, which overflows"):
+        balance([1.0, 1.0, 1.0], 3, memory=[1e308, 1e308, 1e308])
+    huge = MemoryModel(fixed=(1.0,) * 3, activation=(1e308,) * 3, in_flight=(1, 1, 1))
+    with pytest.raises(ValueError, match=r"weights: all layers together on stage 0 come to inf"):
+        balance(huge, 3)
+    # Fractions of a GiB: 0.2 + 0.3 comes to 0.5000000000000001 as a difference of prefix sums.
+    rounding = r"needs 0.5000000000000001 > capacity 0.5, over by 1.1102230246251565e-16 \(float64 sums round: "
+    with pytest.raises(CapacityError, match=rounding + r"give sizes in whole bytes, or a capacity a little larger\)"):
+        balance([1.0, 1.0, 1.0], 2, memory=[0.1, 0.2, 0.3], capacities=[0.1, 0.5])
