@@ -242,10 +242,19 @@ class Transport:
         return meta.empty(self.device)
 
     def release(self, payload: Payload) -> None:
-        """Hand received tensors back for reuse; only pass tensors nothing refers to any more."""
+        """Hand received tensors back for reuse; only pass tensors nothing refers to any more.
+
+        A tensor whose memory a send still in flight reads (a stage that passes a received gradient on as a view
+        of it) is not reused: gloo reads a send's data only when the receiver asks for it.
+        """
         tensors, _ = as_tensors(payload)
+        busy: set[int] | None = None
         for t in tensors:
             if t.device != self.device or t.grad_fn is not None:
+                continue
+            if busy is None:
+                busy = {k.untyped_storage().data_ptr() for p in self._in_flight if p.works for k in p.keep}
+            if t.untyped_storage().data_ptr() in busy:
                 continue
             key = (t.dtype, tuple(t.shape))
             stack = self._pool.setdefault(key, [])

@@ -100,6 +100,61 @@ def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
         torch.testing.assert_close(second, model(x + 1), atol=1e-5, rtol=1e-5)
 
 
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes a while: the stage's gradients reach the next rank late."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.3)
+        return grad
+
+
+class SlowBackward(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)  # type: ignore[no-any-return]
+
+
+def passing_views() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    middle = torch.nn.Unflatten(1, (2, 4))  # its input gradient is a view of the gradient it receives
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), SlowBackward(), middle, torch.nn.Flatten(), torch.nn.Linear(8, 8))
+
+
+def gradients_passed_as_views(fusion: bool) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    options = {} if fusion else {"fuse_weight_gradients": None}
+    pipe = Pipeline(
+        passing_views(), Partition.from_bounds((0, 2, 3, 5)), n_microbatches=4, loss_fn=mse, mesh=init_mesh(3),
+        **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+    torch.manual_seed(1)
+    pipe.step(torch.randn(8, 8), torch.randn(8, 8))
+    grads = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    dist.destroy_process_group()
+    return grads
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_a_gradient_sent_on_as_a_view_of_a_received_one_is_not_overwritten(fusion: bool) -> None:
+    # Stage 1 sends its input gradient, a view of the buffer it received, while stage 0 is still busy: gloo
+    # reads the data only when stage 0 posts its receive, so the buffer must not take the next micro-batch's.
+    model = passing_views()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    mse(model(x), y).backward()
+    want = {name: p.grad for name, p in model.named_parameters()}
+    got: dict[str, torch.Tensor] = {}
+    for grads in run_ranks(gradients_passed_as_views, 3, fusion).values():
+        got |= grads
+    assert sorted(got) == sorted(want)
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
 def misc(tmp: str) -> dict[str, object]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=30)
