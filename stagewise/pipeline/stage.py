@@ -16,7 +16,7 @@ from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, layers_of, shared_parameters
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.tied import retie
-from stagewise.pipeline.uses import ParameterUses, WeightUse
+from stagewise.pipeline.uses import ParameterUses, WeightUse, unseen_reads
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,26 @@ class StageModule(nn.Module):
                         x = call(layer, x)
         finally:
             self.capture = None
+        if owners is not None and self._recorder is not None and self._recorder.hidden:
+            self._check_unseen(x)
         return x
+
+    def _check_unseen(self, output: object) -> None:
+        """Refuse parameters whose gradient W cannot reach: read by a custom Function (see :func:`unseen_reads`)."""
+        assert self._recorder is not None
+        hidden, self._recorder.hidden = self._recorder.hidden, {}
+        unseen = unseen_reads(output, hidden)
+        if not unseen:
+            return
+        names = {id(p): name for name, p in self.named_chain_parameters()}
+        listed = ", ".join(f"{names.get(id(p), '?')} (in {fn})" for p, fn in unseen)
+        raise RuntimeError(
+            f"a split backward (I then W) computes each parameter's gradient from the ops that read it, but "
+            f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside a custom torch.autograd.Function, whose "
+            "reads it cannot see, so that gradient would be lost. Pass the parameter to the Function as a view "
+            "(Fn.apply(x, self.w.view_as(self.w))), which W can start from, or use a schedule without a split "
+            "backward (1f1b, gpipe)"
+        )
 
     def _fusible(self, *, pooled: bool) -> list[nn.Parameter]:
         """The parameters a fused forward may take, listed once: a stage's parameters are fixed once it runs."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
+from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
@@ -60,6 +62,8 @@ class ParameterUses(TorchFunctionMode):
         self.ids = frozenset(id(p) for p in params)
         self._uses = uses
         self._seen: set[int] = set()
+        self.hidden: dict[int, torch.Tensor] = {}
+        """Parameters read with grad mode off (inside a custom ``autograd.Function``, say), which no use records."""
         self.cut_all = False
         """Mark the other inputs of every op that reads a parameter, so that one backward from all the uses'
         outputs gives each parameter its gradient in one accumulation (W under DDP, whose hooks fire once)."""
@@ -82,7 +86,11 @@ class ParameterUses(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        read = _read(args, kwargs, self.ids) if torch.is_grad_enabled() else ()
+        if not torch.is_grad_enabled():
+            for p in _read(args, kwargs, self.ids):
+                self.hidden[id(p)] = p
+            return func(*args, **kwargs)
+        read = _read(args, kwargs, self.ids)
         if read and (self.cut_all or any(id(p) in self._seen for p in read)):
             # A parameter read before in this forward (a module called twice): W from this op must not reach it
             # again through this op's other inputs, so mark them where W stops (see direct_gradients_only).
@@ -172,3 +180,24 @@ def weight_gradients(
                 before()
                 before = None
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
+
+
+def unseen_reads(output: object, hidden: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, str]]:
+    """Parameters of ``hidden`` that a custom ``autograd.Function`` in ``output``'s graph reads directly, each with
+    that Function's name: their gradient flows through no op :class:`ParameterUses` saw, so W would miss it."""
+    targets = {get_gradient_edge(p).node: p for p in hidden.values()}
+    found: dict[int, tuple[torch.Tensor, str]] = {}
+    stack = [t.grad_fn for t in grad_tensors(output) if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if child in targets and isinstance(node, BackwardCFunction):
+                param = targets[child]
+                found.setdefault(id(param), (param, node.name()))
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return list(found.values())
