@@ -32,7 +32,9 @@ class DataParallel:
     gradient_as_bucket_view: bool = False
     """Make each ``.grad`` a view into its all-reduce bucket: one copy of the gradients less in memory."""
     find_unused_parameters: bool = False
-    """Search each stage's graph for parameters that get no gradient (needed when some are unused)."""
+    """Search each stage's graph for parameters that get no gradient (needed when some are unused). Turns
+    ``Pipeline``'s weight-gradient fusion off: DDP learns which parameters a replica used from the gradient hooks
+    that a fused backward skips."""
     comm_hook: CommHook | None = None
     """A DDP communication hook, e.g. ``bf16_compress_hook`` from ``torch.distributed.algorithms.ddp_comm_hooks``."""
     comm_state: object = None

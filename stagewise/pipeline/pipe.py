@@ -85,7 +85,8 @@ class Pipeline:
             r + 1 backwards on rank r; zero-bubble's W adds each micro-batch's). None leaves
             accumulation to autograd. Hooks on a parameter's gradient accumulator see only the backwards not
             fused (with ``dp > 1``, each stage's last of a step, which DDP all-reduces); pass None if they
-            must see every micro-batch.
+            must see every micro-batch. With ``DataParallel(find_unused_parameters=True)`` there is no
+            fusion: DDP learns from those hooks which parameters each replica used.
     """
 
     def __init__(
@@ -160,6 +161,11 @@ class Pipeline:
         self._bad_microbatch = -1
         if data_parallel is not None and not isinstance(data_parallel, DataParallel):
             raise TypeError(f"data_parallel must be a stagewise DataParallel, got {type(data_parallel).__name__}")
+        if self.mesh.layout.dp > 1 and data_parallel is not None and data_parallel.find_unused_parameters:
+            if fuse_weight_gradients is not None:
+                # DDP learns which parameters a replica used from their gradient hooks, which fused backwards skip.
+                log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
+            fuse_weight_gradients = None
         self.device = torch.device(device) if device is not None else self.mesh.device
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn

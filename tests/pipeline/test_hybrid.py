@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -257,3 +258,61 @@ def test_a_late_replica_gives_a_named_timeout_in_the_loss_all_gather() -> None:
         messages
     )
     assert time.monotonic() - started < 60
+
+
+class Gate(nn.Module):
+    """Adds a linear of the rows whose first feature exceeds 4; other rows pass unchanged (row by row)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x[:, 0] > 4
+        if not bool(rows.any()):
+            return x
+        out = x.clone()
+        out[rows] = x[rows] + self.lin(x[rows])
+        return out
+
+
+def gated() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Gate(6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def gated_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 6, generator=g), torch.randn(12, 2, generator=g)
+    x[0, 0] = 5.0  # only replica 0's first micro-batch uses the gate's linear
+    return x, y
+
+
+def used_by_one_micro_batch(schedule: str) -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, 2)
+    pipe = Pipeline(
+        gated(), Partition.from_bounds((0, 4)), schedule=schedule, n_microbatches=3, loss_fn=mse, mesh=mesh,
+        fuse_weight_gradients=WeightGradientFusion.every(),
+        data_parallel=DataParallel(find_unused_parameters=True),
+    )  # fmt: skip
+    x, y = gated_batch()
+    r = mesh.replica
+    pipe.step(x[6 * r : 6 * r + 6], y[6 * r : 6 * r + 6])
+    grads = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    dist.destroy_process_group()
+    return grads
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zero-bubble"])
+def test_find_unused_parameters_sees_a_parameter_one_early_micro_batch_used(schedule: str) -> None:
+    # DDP learns which parameters a replica used from their gradient hooks; fused or pooled backwards skip
+    # them, and the gate's weights, used in replica 0's first micro-batch only, were left out of the
+    # all-reduce: replica 0 kept its own gradient and replica 1 had none.
+    model = gated()
+    x, y = gated_batch()
+    mse(model(x), y).backward()
+    for grads in run_ranks(used_by_one_micro_batch, 2, schedule).values():
+        assert sorted(grads) == sorted(name for name, _ in model.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
