@@ -5,10 +5,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
@@ -104,6 +105,28 @@ def _call(modes: Sequence[TorchFunctionMode], layer: nn.Module, x: object) -> ob
         return layer(x)
 
 
+@contextmanager
+def _statistics_frozen(layer: nn.Module) -> Iterator[None]:
+    """Batch norms of ``layer`` run as in training, and their running statistics come out as they went in.
+
+    For a checkpoint's recomputation: the forward already updated them once. The buffers are put back through
+    ``.data``, whose version counter is its own: the recomputed graph saved them, and autograd would refuse them
+    changed in place (a batch norm's training backward does not read them).
+    """
+    tracking = [m for m in layer.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
+    kept = [(b, b.clone()) for m in tracking for b in m.buffers(recurse=False)]
+    try:
+        yield
+    finally:
+        for buffer, value in kept:
+            buffer.data.copy_(value)
+
+
+def _recompute_contexts(layer: nn.Module) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """``checkpoint``'s ``context_fn``: the forward as it is, the recomputation with statistics frozen."""
+    return nullcontext(), _statistics_frozen(layer)
+
+
 class StageModule(nn.Module):
     """The layers ``first .. first + len(layers) - 1`` of a chain, run one after another.
 
@@ -192,7 +215,8 @@ class StageModule(nn.Module):
                     call = calls[isinstance(layer, Segment)]
                     if self.checkpointing and torch.is_grad_enabled():
                         # The recomputation must record what the forward recorded: the modes go inside.
-                        x = checkpoint(call, layer, x, use_reentrant=False)
+                        recompute = functools.partial(_recompute_contexts, layer)
+                        x = checkpoint(call, layer, x, use_reentrant=False, context_fn=recompute)
                     else:
                         x = call(layer, x)
         finally:

@@ -221,6 +221,46 @@ def test_zero_bubble_refuses_a_parameter_read_inside_a_custom_function_and_takes
         torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def batch_norm_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 4),
+        torch.nn.BatchNorm1d(4),
+        torch.nn.Linear(4, 4),
+        torch.nn.BatchNorm1d(4),
+        torch.nn.Linear(4, 2),
+    )
+
+
+def checkpointed_batch_norm() -> dict[str, torch.Tensor]:
+    torch.set_num_threads(1)
+    pipe = Pipeline(batch_norm_model(), Partition.from_bounds((0, 2, 5)), n_microbatches=1, loss_fn=mse,
+                    mesh=init_mesh(2), activation_checkpointing=True)  # fmt: skip
+    torch.manual_seed(1)
+    for _ in range(2):
+        pipe.step(torch.randn(8, 4) * 3 + 1, torch.randn(8, 2))
+    state = {k: v.clone() for k, v in pipe.state_dict().items()}
+    dist.destroy_process_group()
+    return state
+
+
+def test_checkpointing_updates_batch_norm_statistics_once() -> None:
+    # The recomputation in backward ran the batch norms in training mode again: their running statistics moved
+    # twice per step, and num_batches_tracked counted 2.
+    model = batch_norm_model()
+    torch.manual_seed(1)
+    for _ in range(2):
+        mse(model(torch.randn(8, 4) * 3 + 1), torch.randn(8, 2)).backward()
+    want = model.state_dict()
+    got: dict[str, torch.Tensor] = {}
+    for state in run_ranks(checkpointed_batch_norm, 2).values():
+        got |= state
+    assert sorted(got) == sorted(want)
+    assert int(got["1.num_batches_tracked"]) == 2
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=1e-5, msg=key)
+
+
 def misc(tmp: str) -> dict[str, object]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=30)
