@@ -94,6 +94,7 @@ class ParameterUses(TorchFunctionMode):
         if read and (self.cut_all or any(id(p) in self._seen for p in read)):
             # A parameter read before in this forward (a module called twice): W from this op must not reach it
             # again through this op's other inputs, so mark them where W stops (see direct_gradients_only).
+            _refuse_in_place(func, args, self.ids)
             args, kwargs = tree_map_only(torch.Tensor, self._cut, (args, kwargs))
         out = func(*args, **kwargs)
         use = WeightUse.of(read, out) if read else None
@@ -107,6 +108,19 @@ class ParameterUses(TorchFunctionMode):
             out: torch.Tensor = _Stop.apply(t)  # type: ignore[no-untyped-call]
             return out
         return t
+
+
+def _refuse_in_place(func: Callable[..., Any], args: tuple[Any, ...], ids: frozenset[int]) -> None:
+    """Refuse an in-place op on an activation where W must stop: the mark W stops at cannot be changed in place."""
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")) or (name.startswith("__i") and name.endswith("__"))
+    target = args[0] if args else None
+    if in_place and isinstance(target, torch.Tensor) and target.requires_grad and id(target) not in ids:
+        raise RuntimeError(
+            f"an in-place {name} reads a parameter that W (zero-bubble's weight pass) must reach through this op "
+            "alone (a parameter read twice in one forward, or any under data parallelism), and that cannot be "
+            "marked on a tensor changed in place; write it out of place (x = x + self.pos, not x += self.pos)"
+        )
 
 
 _DIRECT_ONLY = [False]

@@ -316,3 +316,38 @@ def test_find_unused_parameters_sees_a_parameter_one_early_micro_batch_used(sche
         assert sorted(grads) == sorted(name for name, _ in model.named_parameters())
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+class AddPosition(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.linspace(-1, 1, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        x += self.pos  # in place, on an activation
+        return x
+
+
+def in_place_under_data_parallelism() -> str:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), AddPosition(), nn.Tanh(), nn.Linear(4, 2))
+    pipe = Pipeline(model, Partition.from_bounds((0, 4)), schedule="zero-bubble", n_microbatches=2, loss_fn=mse,
+                    mesh=init_mesh(1, 2), timeout=10)  # fmt: skip
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 2))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    finally:
+        dist.destroy_process_group()
+    return "ran"
+
+
+def test_zero_bubble_under_ddp_refuses_an_in_place_op_that_reads_a_parameter() -> None:
+    # W under DDP stops at marks on every input of an op that reads a parameter; autograd cannot change such a
+    # mark in place, and the step failed with its own message about views of custom Functions.
+    for message in run_ranks(in_place_under_data_parallelism, 2).values():
+        assert message.startswith("StageError: stage 0 (layers 0 .. 3) failed in the forward of micro-batch ")
+        assert "an in-place add_ reads a parameter that W (zero-bubble's weight pass) must reach" in message
+        assert message.endswith("write it out of place (x = x + self.pos, not x += self.pos)")
