@@ -11,7 +11,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,24 @@ def _fill(pp: int | None, dp: int | None, world: int) -> Layout:
     return Layout(given, world // given) if name == "pp" else Layout(world // given, given)
 
 
+def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: timedelta) -> DeviceMesh:
+    """The ("pp", "dp") DeviceMesh over groups whose waits are bounded by ``wait``.
+
+    ``init_device_mesh`` gives a dimension that is not the whole world a group with torch's default timeout
+    (30 minutes), so its collectives (the loss broadcast, DDP's all-reduce) would not time out when the
+    transfers do; the groups are made here, collectively, with the mesh's own.
+    """
+    grid = torch.arange(layout.world_size).reshape(layout.pp, layout.dp)
+    rank = dist.get_rank()
+    mine: list[dist.ProcessGroup] = []
+    for lines in (grid.T.tolist(), grid.tolist()):  # each replica's pipeline, then each stage's replicas
+        for ranks in lines:  # every rank makes every group, in the same order
+            group = dist.new_group(ranks, timeout=wait, backend=backend)
+            if rank in ranks:
+                mine.append(group)
+    return DeviceMesh.from_group(mine, device.type, mesh=grid, mesh_dim_names=("pp", "dp"))
+
+
 def init_mesh(
     pp: int | None = None,
     dp: int | None = 1,
@@ -251,7 +269,7 @@ def init_mesh(
             rank=rank if store is not None else -1,
             world_size=world if store is not None else -1,
         )
-    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    mesh = _device_mesh(layout, device, chosen, wait)
     result = PipelineMesh(mesh, layout, rank, device, chosen, wait)
     log.info("%s", result.describe())
     return result

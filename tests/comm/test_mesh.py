@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 import torch.distributed as dist
 from multiproc import run_ranks
 
@@ -84,6 +87,29 @@ def test_two_by_two_mesh() -> None:
         assert value[:5] == expected[rank]
         assert value[5] == "gloo" and value[6] == "cpu"
         assert f"pp=2 x dp=2 on 4 processes; rank {rank} is stage {rank // 2}, replica {rank % 2}" in str(value[7])
+
+
+def late_replica(group: str) -> str:
+    mesh = init_mesh(2, 2, timeout=2)
+    if mesh.rank == 3:
+        time.sleep(6)  # past the mesh's timeout
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh.dp_group if group == "dp" else mesh.pp_group)
+        outcome = "done"
+    except RuntimeError:
+        outcome = "timed out"
+    waited = time.monotonic() - began
+    return f"{outcome} after {'less' if waited < 5 else 'more'} than 5 s"
+
+
+@pytest.mark.parametrize("group", ["dp", "pp"])
+def test_the_mesh_timeout_bounds_both_dimensions(group: str) -> None:
+    # init_device_mesh gave a dimension that is not the whole world torch's default 30-minute timeout, so a late
+    # replica held DDP's all-reduce far past the mesh's timeout instead of failing.
+    results = run_ranks(late_replica, 4, group, timeout=60)
+    waiting = 2 if group == "dp" else 1  # rank 3's partner in the group
+    assert results[waiting] == "timed out after less than 5 s"
 
 
 def test_wrong_world_size_is_refused() -> None:
