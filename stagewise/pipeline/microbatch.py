@@ -53,8 +53,8 @@ def split(payload: Payload, n: int, *, what: str, reduction: LossReduction = "me
 
 
 def concat(parts: Sequence[Payload]) -> Payload:
-    """Join micro-batch outputs back into one batch along dim 0."""
+    """Join micro-batch outputs back into one batch along dim 0; 0-dim outputs are stacked, one per micro-batch."""
     first, is_tuple = as_tensors(parts[0])
     columns = [[as_tensors(p)[0][i] for p in parts] for i in range(len(first))]
-    joined = tuple(torch.cat(c) for c in columns)
+    joined = tuple(torch.stack(c) if all(t.dim() == 0 for t in c) else torch.cat(c) for c in columns)
     return joined if is_tuple else joined[0]

@@ -8,16 +8,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from stagewise.comm import Payload, PipelineMesh, Transport, collective_failed, init_mesh
+from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_mesh
 from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
-from stagewise.pipeline.hybrid import DataParallel, Replicas, combine_losses
+from stagewise.pipeline.hybrid import DataParallel, Replicas
+from stagewise.pipeline.loss_sharing import share_loss
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
 from stagewise.pipeline.render import to_chrome_trace
@@ -266,9 +266,9 @@ class Pipeline:
     # --- running --------------------------------------------------------------------------------
 
     def _to_device(self, payload: Payload) -> Payload:
-        if isinstance(payload, torch.Tensor):
-            return payload.to(self.device)
-        return tuple(t.to(self.device) for t in payload)
+        tensors, is_tuple = as_tensors(payload)  # refuses what is not a tensor or a tuple of them, naming it
+        moved = tuple(t.to(self.device) for t in tensors)
+        return moved if is_tuple else moved[0]
 
     def _split_inputs(self, inputs: Payload | None) -> Microbatches | None:
         """The micro-batches of ``inputs`` on the rank of stage 0; None elsewhere."""
@@ -323,54 +323,34 @@ class Pipeline:
 
     def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
         """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`."""
-        outputs = self.predict(inputs)
+        if self.is_last and targets is None:
+            raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
+        result = self._forward(inputs)
         loss = None
         samples = 0
         if self.is_last:
-            if targets is None or outputs is None:
-                raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
-            target = self._to_device(targets)
-            samples = len(target if isinstance(target, torch.Tensor) else target[0])
-            with torch.no_grad():
-                loss = self.loss_fn(outputs, target)
-        return self._share_loss(loss, samples)
+            assert targets is not None
+            tgs = split(self._to_device(targets), self.n_microbatches, what="targets", reduction=self.loss_reduction)
+            samples = sum(tgs.sizes)
+            with torch.no_grad():  # micro-batch by micro-batch, weighted as step() weights them
+                losses = [
+                    w * self.loss_fn(out, t) for out, t, w in zip(result.outputs, tgs.parts, tgs.weights, strict=True)
+                ]
+            loss = torch.stack(losses).sum()
+        return self._share_loss(loss, samples, training=False)  # no gradients: replicas may differ in size
 
-    def _share_loss(self, loss: torch.Tensor | None, samples: int, *, bad_microbatch: int = -1) -> torch.Tensor:
-        """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline.
-
-        ``bad_microbatch`` (the first micro-batch with a non-finite loss, or -1)
-        travels too, to :attr:`_bad_microbatch` (this replica's).
-        """
-        loss = (loss if loss is not None else torch.zeros((), device=self.device)).detach()
-        loss = loss.to(self.device, torch.float32)
-        smallest = largest = 0
-        seconds = self.mesh.timeout.total_seconds()
-        if self.is_last and self.replicas is not None:
-            group = self.mesh.dp_group
-            try:
-                whole = combine_losses(loss, samples, group=group, mean=self.loss_reduction == "mean")
-            except RuntimeError as err:
-                peer = next(r for r in dist.get_process_group_ranks(group) if r != self.mesh.rank)
-                what = "the all-gather of the replicas' losses"
-                raise collective_failed(err, rank=self.mesh.rank, peer=peer, what=what, timeout=seconds) from err
-            loss, smallest, largest = whole.loss, whole.smallest, whole.largest
-        values = [float(loss), smallest, largest, bad_microbatch]
-        packet = torch.tensor(values, dtype=torch.float64, device=self.device)
+    def _share_loss(
+        self, loss: torch.Tensor | None, samples: int, *, bad_microbatch: int = -1, training: bool = True
+    ) -> torch.Tensor:
+        """The global batch's loss on every rank (see :func:`share_loss`); keeps this replica's first bad
+        micro-batch in :attr:`_bad_microbatch`."""
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
-        try:
-            dist.broadcast(packet, src=last, group=self.mesh.pp_group)
-        except RuntimeError as err:
-            what = f"the broadcast of the loss from rank {last}, the last stage's, along the pipeline"
-            raise collective_failed(err, rank=self.mesh.rank, peer=last, what=what, timeout=seconds) from err
-        smallest, largest = int(packet[1]), int(packet[2])
-        self._bad_microbatch = int(packet[3])
-        if self.loss_reduction == "mean" and smallest != largest:
-            raise ValueError(
-                f"the replicas' batches differ in size ({smallest} to {largest} samples), but DDP averages their "
-                "gradients with equal weights, so this step's gradients are not the global batch's mean; give "
-                "every replica the same number of samples (stagewise.pipeline.StageLoader does)"
-            )
-        return packet[0].to(torch.float32)
+        shared = share_loss(
+            loss, samples, mesh=self.mesh, last=last, replicated=self.replicas is not None,
+            mean=self.loss_reduction == "mean", bad_microbatch=bad_microbatch, training=training,
+        )  # fmt: skip
+        self._bad_microbatch = shared.bad_microbatch
+        return shared.loss
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, *, error_if_nonfinite: bool = False
@@ -391,14 +371,23 @@ class Pipeline:
         )
 
     def predict(self, inputs: Payload | None) -> Payload | None:
-        """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere."""
+        """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere.
+
+        The micro-batches' outputs are joined along dim 0; an output with no batch dimension (a 0-dim
+        auxiliary loss, say) comes back stacked, one value per micro-batch.
+        """
+        result = self._forward(inputs)
+        return concat(result.outputs) if self.is_last else None
+
+    def _forward(self, inputs: Payload | None) -> StepResult:
+        """Every micro-batch's forward, without gradients; each one's outputs on the last stage's rank."""
         m = self.n_microbatches
         ins = self._split_inputs(inputs)
         forward = [Action(s, Kind.F, mb) for mb in range(m) for s in sorted(self.stages)]
         with torch.no_grad():
             result = self.executor.run(forward, ins, None, None, training=False)
         self._record(result)
-        return concat(result.outputs) if self.is_last else None
+        return result
 
     def _record(self, result: StepResult) -> None:
         self.last_result = result

@@ -20,8 +20,7 @@ from torch.utils.data import Dataset
 
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion
-from stagewise.pipeline import pipe as pipe_module
+from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion, loss_sharing
 
 STEPS = 3
 CLIP = 0.3  # small enough to clip at every step
@@ -240,6 +239,31 @@ def test_replicas_with_different_batch_sizes_are_refused() -> None:
         raise AssertionError("uneven replica batches trained without an error")
 
 
+def evaluate_uneven_replicas() -> float:
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, 2, timeout=60)
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
+                    mesh=mesh)  # fmt: skip
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    rows = slice(0, 4) if mesh.replica == 0 else slice(4, 10)  # a last batch split 4 + 6
+    loss = float(pipe.evaluate(x[rows], y[rows]))
+    dist.destroy_process_group()
+    return loss
+
+
+def test_evaluation_takes_replica_batches_of_different_sizes() -> None:
+    # Only a training step needs equal replica batches (DDP averages gradients with equal weights); evaluate
+    # weights each replica's loss by its samples, and refused a last batch split unevenly with step's message.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    with torch.no_grad():
+        want = float(mse(model(x), y))
+    for loss in run_ranks(evaluate_uneven_replicas, 2).values():
+        assert abs(loss - want) < 1e-5
+
+
 def late_replica_loss(seconds: float) -> str:
     """Replica 1 reaches the all-gather of the losses ``seconds`` late; replica 0 must time out, naming it."""
     torch.set_num_threads(1)
@@ -247,7 +271,7 @@ def late_replica_loss(seconds: float) -> str:
     pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
                     mesh=mesh, timeout=3)  # fmt: skip
     if mesh.replica == 1:
-        pipe_module.combine_losses = late(pipe_module.combine_losses, seconds)  # type: ignore[assignment]
+        loss_sharing.combine_losses = late(loss_sharing.combine_losses, seconds)  # type: ignore[assignment]
     return comm_error(lambda: pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
 
 

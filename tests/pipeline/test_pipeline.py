@@ -261,6 +261,59 @@ def test_checkpointing_updates_batch_norm_statistics_once() -> None:
         torch.testing.assert_close(got[key], value, atol=1e-5, rtol=1e-5, msg=key)
 
 
+class WithAux(torch.nn.Module):
+    """Returns its input and a 0-dim auxiliary loss, as a mixture-of-experts layer does."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x.pow(2).mean()
+
+
+def aux_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return mse(out[0], target) + 0.1 * out[1]
+
+
+def aux_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3), WithAux())
+
+
+def scalar_outputs() -> dict[str, object]:
+    torch.set_num_threads(1)
+    pipe = Pipeline(aux_model(), Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=aux_loss,
+                    mesh=init_mesh(2))  # fmt: skip
+    torch.manual_seed(1)
+    x, y = torch.randn(7, 4), torch.randn(7, 3)
+    refused = []
+    for bad in ({"x": x}, (x, None)):
+        try:
+            pipe.step(bad, bad)  # type: ignore[arg-type]
+        except TypeError as err:
+            refused.append(str(err))
+    out = {"evaluated": float(pipe.evaluate(x, y)), "predicted": pipe.predict(x), "refused": refused}
+    dist.destroy_process_group()
+    return out
+
+
+def test_scalar_outputs_come_back_per_micro_batch_and_bad_batches_are_named() -> None:
+    # predict() and evaluate() joined a 0-dim output with torch.cat and crashed where step() worked; a dict or a
+    # None in the batch gave an AttributeError from .to().
+    model = aux_model()
+    torch.manual_seed(1)
+    x, y = torch.randn(7, 4), torch.randn(7, 3)
+    with torch.no_grad():
+        parts = [model(xp) for xp in x.tensor_split(3)]
+        want = sum(len(yp) / 7 * aux_loss(o, yp) for o, yp in zip(parts, y.tensor_split(3), strict=True))
+    result = run_ranks(scalar_outputs, 2)[1]
+    assert abs(result["evaluated"] - float(want)) < 1e-6  # type: ignore[operator]
+    hidden, aux = result["predicted"]  # type: ignore[misc]
+    torch.testing.assert_close(hidden, torch.cat([o[0] for o in parts]))
+    torch.testing.assert_close(aux, torch.stack([o[1] for o in parts]))
+    refused = result["refused"]
+    assert isinstance(refused, list) and len(refused) == 2
+    assert refused[0].startswith("a payload between stages must be a tensor or a non-empty tuple of tensors, got dict")
+    assert "got ['Tensor', 'NoneType']" in refused[1]
+
+
 def misc(tmp: str) -> dict[str, object]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=30)
