@@ -42,11 +42,13 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def collective_failed(err: BaseException, *, rank: int, peer: int, what: str, timeout: float) -> CommError:
-    """The error to raise for a collective (``what``, with ``peer`` among its ranks) that failed with ``err``."""
+def collective_failed(err: BaseException, *, rank: int, peer: int, what: str, timeout: float | None) -> CommError:
+    """The error to raise for a collective (``what``, with ``peer`` among its ranks) that failed with ``err``;
+    ``timeout`` is the group's bound in seconds, when known."""
     if timed_out(err):
+        after = f" after {timeout:g} s" if timeout is not None else ""
         return CommTimeoutError(
-            f"rank {rank} timed out after {timeout:g} s in {what} ({first_line(err)}); "
+            f"rank {rank} timed out{after} in {what} ({first_line(err)}); "
             "another rank may have hung or be waiting on something else",
             rank=rank,
             peer=peer,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from stagewise.comm import collective_failed
 
 
 def clip_grad_norm_(
@@ -20,6 +23,7 @@ def clip_grad_norm_(
     counted: Iterable[nn.Parameter] | None = None,
     error_if_nonfinite: bool = False,
     device: torch.device | None = None,
+    timeout: float | None = None,
 ) -> torch.Tensor:
     """Clip ``parameters``' gradients by the total norm of all gradients held across ``group``; returns that norm.
 
@@ -33,6 +37,8 @@ def clip_grad_norm_(
     that another rank counts. A NaN gradient on any rank makes the total NaN,
     as in torch. ``device`` is where a rank without gradients puts its share
     of the all-reduce (the backend's device); by default its parameters'.
+    A failed all-reduce raises a :class:`~stagewise.comm.CommError` naming it
+    (and ``timeout``, the group's bound in seconds, when given).
     """
     if not max_norm >= 0:
         raise ValueError(f"max_norm must be >= 0 (0 zeroes the gradients, as in torch), got {max_norm}")
@@ -51,11 +57,11 @@ def clip_grad_norm_(
         # A max drops NaN or keeps it depending on the order of its operands (gloo's std::max, NCCL's fmax):
         # whether any rank has one travels as a flag of its own.
         pair = torch.stack([local, torch.isnan(local).to(torch.float64)])
-        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(pair, dist.ReduceOp.MAX, group, timeout)
         total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
     else:
         power = local**p
-        dist.all_reduce(power, op=dist.ReduceOp.SUM, group=group)
+        _all_reduce(power, dist.ReduceOp.SUM, group, timeout)
         total = power ** (1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -66,3 +72,13 @@ def clip_grad_norm_(
     if with_grads:
         clip_grads_with_norm_(with_grads, max_norm, total.to(dtype))
     return total.to(dtype)
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup, timeout: float | None) -> None:
+    try:
+        dist.all_reduce(tensor, op=op, group=group)
+    except RuntimeError as err:
+        rank = dist.get_rank()
+        peer = next((r for r in dist.get_process_group_ranks(group) if r != rank), rank)
+        what = "the all-reduce of the gradients' norm"
+        raise collective_failed(err, rank=rank, peer=peer, what=what, timeout=timeout) from err

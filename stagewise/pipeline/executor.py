@@ -259,12 +259,21 @@ class _Run:
         source = self.x._source(action)
         incoming = self._receive(i, source) if source is not None else None
         began = self._now()
-        if action.kind is Kind.F:
-            self._forward(action, incoming)
-        elif action.kind.is_backward:
-            self._backward(action, incoming, sync=i in self.sync)
-        else:
-            self._weights(action, sync=i in self.sync)
+        sync = i in self.sync
+        try:
+            if action.kind is Kind.F:
+                self._forward(action, incoming)
+            elif action.kind.is_backward:
+                self._backward(action, incoming, sync=sync)
+            else:
+                self._weights(action, sync=sync)
+        except RuntimeError as err:
+            if not sync or self.x.replicas is None:
+                raise
+            named = self.x.replicas.failed(err, action.stage, action)  # DDP's all-reduce runs in this backward
+            if named is err:
+                raise
+            raise named from err
         self.events.append(Event(self.x.position, action, began, self._now()))
 
     def _forward(self, action: Action, incoming: Payload | None) -> None:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from stagewise.comm import CommError, collective_failed
+from stagewise.comm.errors import timed_out
 from stagewise.pipeline.actions import Action, Kind
 from stagewise.pipeline.stage import StageModule
 
@@ -88,8 +90,12 @@ class Replicas:
         group: dist.ProcessGroup,
         device: torch.device,
         config: DataParallel,
+        timeout: float = 300.0,
     ) -> None:
         self.config = config
+        self.group = group
+        self.timeout = timeout
+        """Seconds DDP's all-reduce may wait (the group's own bound), for :meth:`failed`'s message."""
         self.wrapped: dict[int, DistributedDataParallel] = {}
         for s, module in stages.items():
             if not any(p.requires_grad for p in module.parameters()):
@@ -114,6 +120,20 @@ class Replicas:
         if ddp is None:
             return
         ddp.reducer.prepare_for_backward(list(outputs) if self.config.find_unused_parameters else [])
+
+    def failed(self, err: RuntimeError, stage: int, action: Action) -> RuntimeError:
+        """What to raise for ``err``, raised by the backward of ``action`` in which DDP all-reduces ``stage``'s
+        gradients: a named :class:`~stagewise.comm.CommError` when it is the all-reduce that failed."""
+        if isinstance(err, CommError) or not (timed_out(err) or any(k in str(err) for k in _COMM_FAILURES)):
+            return err
+        rank = dist.get_rank()
+        peer = next((r for r in dist.get_process_group_ranks(self.group) if r != rank), rank)
+        what = f"DDP's all-reduce of stage {stage}'s gradients over its replicas, in {action}"
+        return collective_failed(err, rank=rank, peer=peer, what=what, timeout=self.timeout)
+
+
+_COMM_FAILURES = ("Connection closed", "Connection reset", "Broken pipe", "NCCL error")
+"""Words of torch.distributed's errors when a peer is lost (timeouts say "timed out")."""
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,13 @@ class Pipeline:
         self.replicas = None
         if dp > 1:
             config = data_parallel if data_parallel is not None else DataParallel()
-            self.replicas = Replicas(self.stages, group=self.mesh.dp_group, device=self.device, config=config)
+            self.replicas = Replicas(
+                self.stages,
+                group=self.mesh.dp_group,
+                device=self.device,
+                config=config,
+                timeout=self.mesh.timeout.total_seconds(),
+            )
         self.executor = Executor(
             plan,
             self.position,
@@ -365,10 +371,10 @@ class Pipeline:
         """
         mine = list(self.parameters())
         counted = [p for p in mine if self.ties.counted(p)]
-        group, strict = self.mesh.pp_group, error_if_nonfinite
         return clip_grad_norm_(
-            mine, max_norm, norm_type, group=group, counted=counted, error_if_nonfinite=strict, device=self.device
-        )
+            mine, max_norm, norm_type, group=self.mesh.pp_group, counted=counted,
+            error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.mesh.timeout.total_seconds(),
+        )  # fmt: skip
 
     def predict(self, inputs: Payload | None) -> Payload | None:
         """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere.

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from late import comm_error
 from multiproc import run_ranks
 from torch import nn
 
+from stagewise.comm import init_mesh
 from stagewise.pipeline import clip_grad_norm_
 
 GRADS = ([1.0, -2.0, 3.0], [0.5, 4.0, -1.0])
@@ -89,3 +92,17 @@ def test_clipping_over_two_ranks_equals_torch_on_the_whole_model() -> None:
 def test_a_negative_max_norm_is_refused() -> None:
     with pytest.raises(ValueError, match=r"max_norm must be >= 0 \(0 zeroes the gradients, as in torch\), got -1"):
         clip_grad_norm_([_param([1.0])], -1.0, group=None)  # type: ignore[arg-type]
+
+
+def late_to_clip() -> str:
+    init_mesh(2, timeout=3)
+    param = _param([3.0, 4.0])
+    if dist.get_rank() == 1:
+        time.sleep(7)  # past the timeout
+    return comm_error(lambda: clip_grad_norm_([param], 1.0, group=dist.group.WORLD, timeout=3))
+
+
+def test_a_rank_late_to_the_norm_gives_a_named_timeout() -> None:
+    # The all-reduce of the norm timed out with gloo's bare RuntimeError, naming no rank and nothing awaited.
+    message = run_ranks(late_to_clip, 2, timeout=60)[0]
+    assert message.startswith("CommTimeoutError: rank 0 timed out after 3 s in the all-reduce of the gradients' norm")

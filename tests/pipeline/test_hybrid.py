@@ -18,7 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from stagewise.comm import LaunchError, init_mesh
+from stagewise.comm import CommError, LaunchError, init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion, loss_sharing
 
@@ -375,3 +375,29 @@ def test_zero_bubble_under_ddp_refuses_an_in_place_op_that_reads_a_parameter() -
         assert message.startswith("StageError: stage 0 (layers 0 .. 3) failed in the forward of micro-batch ")
         assert "an in-place add_ reads a parameter that W (zero-bubble's weight pass) must reach" in message
         assert message.endswith("write it out of place (x = x + self.pos, not x += self.pos)")
+
+
+def replica_refuses_its_batch() -> str:
+    torch.set_num_threads(1)
+    mesh = init_mesh(1, 2, timeout=3)
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
+                    mesh=mesh, timeout=3)  # fmt: skip
+    size = 4 if mesh.replica == 0 else 1  # replica 1 has fewer samples than micro-batches: refused at once
+    try:
+        pipe.step(torch.randn(size, 4), torch.randn(size, 4))
+    except ValueError as err:
+        time.sleep(7)  # stays alive, as a job that logs the error and goes on would
+        return f"ValueError: {err}"
+    except CommError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_replica_missing_from_ddps_all_reduce_gives_a_named_timeout() -> None:
+    # DDP's all-reduce runs inside the step's last backward; it timed out with gloo's bare RuntimeError.
+    messages = run_ranks(replica_refuses_its_batch, 2, timeout=60)
+    assert messages[1].startswith("ValueError: n_microbatches=2 is more than the batch of 1 inputs")
+    assert messages[0].startswith(
+        "CommTimeoutError: rank 0 timed out after 3 s in DDP's all-reduce of stage 0's gradients over its replicas, "
+        "in 0B1"
+    )
