@@ -231,6 +231,13 @@ def _children(options: LaunchOptions) -> dict[str, str]:
 def _run(
     entrypoint: Callable[..., Any] | str, args: Sequence[Any], nprocs: int, options: LaunchOptions
 ) -> dict[int, Any]:
+    unknown = sorted(set(options) - set(LaunchOptions.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"launch got options it does not have: {', '.join(unknown)}; it takes "
+            f"{', '.join(sorted(LaunchOptions.__annotations__))} (the function's own arguments go before them, by "
+            "position)"
+        )
     nnodes = options.get("nnodes", 1)
     max_restarts = options.get("max_restarts", 0)
     device = options.get("device", "cpu")

@@ -6,7 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -229,6 +229,8 @@ def init_mesh(
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if wait.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {wait.total_seconds()} s")
+    if backend not in (None, *get_args(Backend)):
+        raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
     if dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
     else:
@@ -256,6 +258,12 @@ def init_mesh(
         chosen = backend or choose_backend(local_world)
     if backend is not None and backend != chosen:
         raise ValueError(f"the process group already uses {chosen}, not the requested {backend}")
+    usable = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if chosen == "nccl" and local_rank >= usable:
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA device for local rank {local_rank}, but this machine has {usable} usable "
+            "GPUs; use backend='gloo' on the CPU, or launch at most one process per GPU"
+        )
     device = torch.device("cuda", local_rank) if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
         torch.cuda.set_device(device)

@@ -199,6 +199,9 @@ def test_bad_launch_arguments() -> None:
         launch(report_rank, 1, start_method="fork")  # type: ignore[typeddict-item]
     with pytest.raises(ValueError, match=r"launch_module starts fresh interpreters; start_method='forkserver'"):
         launch_module("stagewise", ["partition"], 1, start_method="forkserver")
+    # A misspelt option, or the function's own keyword, was dropped without a word.
+    with pytest.raises(TypeError, match=r"launch got options it does not have: lr, thread; it takes device, env, "):
+        launch(report_rank, 1, thread=4, lr=0.1)  # type: ignore[call-arg]
 
 
 def test_a_failure_report_quotes_the_latest_attempt(tmp_path: Path) -> None:

@@ -48,6 +48,24 @@ def test_layout_range_checks() -> None:
         Layout(2, 2).rank(2, 0)
 
 
+def test_a_backend_that_cannot_run_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "glo" ended in torch's AssertionError, and "nccl" on a machine without GPUs in an AttributeError.
+    with pytest.raises(
+        ValueError, match=r"backend must be one of \['gloo', 'nccl'\] or None \(chosen for you\), got 'glo'"
+    ):
+        init_mesh(1, backend="glo")  # type: ignore[arg-type]
+    if torch.cuda.is_available():
+        return  # the refusal below is for machines without a GPU
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        ValueError, match=r"backend 'nccl' needs a CUDA device for local rank 0, but this machine has 0"
+    ):
+        init_mesh(1, backend="nccl")
+    assert not dist.is_initialized()
+
+
 def test_init_mesh_outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
