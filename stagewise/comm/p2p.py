@@ -112,6 +112,7 @@ class Transport:
         self.standing = dedicated and self.speculate
         """Steady streams drop their control words (gloo, on a group of this transport's own)."""
         ranks = None if group is None else dist.get_process_group_ranks(group)
+        self._peers = frozenset(range(dist.get_world_size()) if ranks is None else ranks)
         if self.standing:
             group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
         self.group = group
@@ -134,6 +135,13 @@ class Transport:
         if self._stream_groups:
             group, tag = self._stream_groups[tag // 2], tag % 2
         return [dist.P2POp(fn, t, peer, group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
+
+    def _check_peer(self, peer: int) -> None:
+        if isinstance(peer, bool) or not isinstance(peer, int) or peer == self.rank or peer not in self._peers:
+            raise ValueError(
+                f"rank {self.rank} cannot exchange with {peer!r}: a peer is another rank of this transport's group "
+                f"({sorted(self._peers - {self.rank})})"
+            )
 
     def _check_stream(self, stream: int) -> None:
         if not 0 <= stream < self.streams:
@@ -159,14 +167,16 @@ class Transport:
         (:meth:`Pending.wait` or :meth:`wait_sends`).
         """
         self._check_stream(stream)
+        self._check_peer(to)
         tensors, is_tuple = as_tensors(payload)
+        # Everything that can fail comes before the channel's state changes: a conjugate or negative view
+        # resolved, as the wire needs plain memory.
+        data = [t.detach().resolve_conj().resolve_neg().to(self.device).contiguous() for t in tensors]
         if known:
-            data = [t.detach().to(self.device).contiguous() for t in tensors]
             return self._start(self._ops(dist.isend, data, to, 2 * stream + 1), to, what, data)
         layout: PayloadLayout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
         channel = self._sent.setdefault((to, stream), _Channel())
         channel.count += 1
-        data = [t.detach().to(self.device).contiguous() for t in tensors]
         same = channel.layout == layout
         steady = self.speculate and channel.stable
         control: list[torch.Tensor] = []
@@ -218,6 +228,7 @@ class Transport:
         what this one brings.
         """
         self._check_stream(stream)
+        self._check_peer(src)
         key = (src, stream)
         if key in self._receiving:
             raise RuntimeError(

@@ -246,6 +246,40 @@ def test_a_stream_the_transport_does_not_have_is_refused() -> None:
     assert run_ranks(unknown_stream, 1)[0] == [want, want]
 
 
+def bad_peers_and_conjugates() -> list[object]:
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30)
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    out: list[object] = []
+    if dist.get_rank() == 0:
+        for attempt in (lambda: transport.send(x, 0, what="x"), lambda: transport.send(x, 5, what="x"),
+                        lambda: transport.irecv(0, what="x")):  # fmt: skip
+            try:
+                attempt()
+            except ValueError as err:
+                out.append(str(err))
+        transport.send(x.conj(), 1, what="conjugate").wait()  # a lazy conjugate: its bit resolved on the way
+        transport.send(-x, 1, what="negative").wait()
+    else:
+        out = [transport.recv(0, what="conjugate"), transport.recv(0, what="negative")]
+    dist.destroy_process_group()
+    return out
+
+
+def test_bad_peers_are_refused_and_conjugate_views_arrive_resolved() -> None:
+    # A send to oneself or to a rank outside the group gave gloo's assertions (and moved the channel's count);
+    # a conjugate view failed in torch's isend after the control word had gone, so the stream fell out of step.
+    results = run_ranks(bad_peers_and_conjugates, 2)
+    assert results[0] == [
+        "rank 0 cannot exchange with 0: a peer is another rank of this transport's group ([1])",
+        "rank 0 cannot exchange with 5: a peer is another rank of this transport's group ([1])",
+        "rank 0 cannot exchange with 0: a peer is another rank of this transport's group ([1])",
+    ]
+    conjugate, negative = results[1]  # type: ignore[misc]
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    assert torch.equal(conjugate, x.conj().resolve_conj()) and torch.equal(negative, -x)
+
+
 def reuse_buffers() -> tuple[bool, bool, bool]:
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30)
