@@ -11,8 +11,9 @@ from stagewise.comm.launch import (
 )
 from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
 from stagewise.comm.meta import TensorMeta
-from stagewise.comm.p2p import Receiving, Transport
+from stagewise.comm.p2p import Transport
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors
+from stagewise.comm.receiving import Receiving
 from stagewise.comm.waits import Pending
 
 __all__ = [

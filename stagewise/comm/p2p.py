@@ -5,15 +5,14 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from stagewise.comm.errors import CommError
-from stagewise.comm.meta import TensorMeta, decode, encode
+from stagewise.comm.meta import TensorMeta, encode
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors, has_bytes
+from stagewise.comm.receiving import Channel, Receiving
 from stagewise.comm.waits import Pending, seconds, wait_for
 
 log = logging.getLogger(__name__)
@@ -21,23 +20,6 @@ log = logging.getLogger(__name__)
 _POOL_DEPTH = 4  # buffers kept per (dtype, shape); more are left to the allocator
 _POOL_SHAPES = 8  # (dtype, shape) pairs kept, the most recently released; older ones are dropped
 _PRUNE_AT = 16  # sends in flight before the waited ones are first dropped from the list
-
-
-@dataclass
-class _Channel:
-    """What both ends of one (peer, stream) direction know after each message."""
-
-    layout: PayloadLayout | None = None
-    """The layout of the last message."""
-    stable: bool = False
-    """True when the last message had the same layout as the one before it."""
-    count: int = 0
-    """Messages so far; each control word carries its message's number."""
-    standing: torch.Tensor | None = None
-    """Receiver, gloo, stable: the buffer of the control receive left posted for the next change of layout."""
-    standing_work: dist.Work | None = None
-    notice: tuple[int, int] | None = None
-    """Receiver: a change of layout announced for a later message, (its number, metadata length)."""
 
 
 class Transport:
@@ -123,12 +105,13 @@ class Transport:
         )
         """With separate streams, each stream's own group: tags then tell only a control word from data."""
         self._coalesces = not self.speculate
-        self._sent: dict[tuple[int, int], _Channel] = {}
-        self._received: dict[tuple[int, int], _Channel] = {}
+        self._sent: dict[tuple[int, int], Channel] = {}
+        self._received: dict[tuple[int, int], Channel] = {}
         self._pool: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
         self._in_flight: list[Pending] = []
         self._prune_at = _PRUNE_AT
         self._receiving: set[tuple[int, int]] = set()
+        self._closed = False
 
     def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
         group = self.group
@@ -137,6 +120,8 @@ class Transport:
         return [dist.P2POp(fn, t, peer, group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
 
     def _check_peer(self, peer: int) -> None:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}'s transport is closed; make a new one to exchange with {peer!r}")
         if isinstance(peer, bool) or not isinstance(peer, int) or peer == self.rank or peer not in self._peers:
             raise ValueError(
                 f"rank {self.rank} cannot exchange with {peer!r}: a peer is another rank of this transport's group "
@@ -175,7 +160,7 @@ class Transport:
         if known:
             return self._start(self._ops(dist.isend, data, to, 2 * stream + 1), to, what, data)
         layout: PayloadLayout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
-        channel = self._sent.setdefault((to, stream), _Channel())
+        channel = self._sent.setdefault((to, stream), Channel())
         channel.count += 1
         same = channel.layout == layout
         steady = self.speculate and channel.stable
@@ -208,6 +193,16 @@ class Transport:
             self._prune_at = max(_PRUNE_AT, 2 * len(self._in_flight))
         self._in_flight.append(pending)
         return pending
+
+    def close(self) -> None:
+        """Wait for the sends in flight, then destroy the process groups this transport made (``dedicated``,
+        per-stream), with their threads and sockets; it sends and receives nothing after. Idempotent."""
+        self.wait_sends()
+        own = [*self._stream_groups, *([self.group] if self.standing and self.group is not None else [])]
+        for group in own:
+            dist.destroy_process_group(group)
+        self._stream_groups = []
+        self._closed = True
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (bounded by the timeout each)."""
@@ -276,131 +271,3 @@ class Transport:
                 t.requires_grad_(False)
                 t.grad = None
                 stack.append(t)
-
-
-_NO_CONTROL = torch.empty(0, dtype=torch.int64)
-
-
-class Receiving:
-    """A posted receive; :meth:`wait` returns the payload (see :meth:`Transport.irecv`)."""
-
-    def __init__(
-        self, transport: Transport, src: int, stream: int, what: str, expect: PayloadLayout | None = None
-    ) -> None:
-        self.transport, self.src, self.stream, self.what = transport, src, stream, what
-        t = transport
-        self.expect = expect
-        self.channel = channel = t._received.setdefault((src, stream), _Channel())
-        self.buffers: list[torch.Tensor] = []
-        self.result: Payload | None = None
-        self.control = _NO_CONTROL  # a buffer only where a control word is awaited with this message
-        self.control_work: dist.Work | None = None
-        if expect is not None:
-            self.buffers = [t._take(m) for m in expect[1]]
-            self.data_works = t._post(t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
-            return
-        self.steady = t.speculate and channel.stable
-        if self.steady:
-            assert channel.layout is not None
-            if not t.standing:
-                control = [self._control_buffer()]
-            else:  # the control word comes only with a change: leave one receive posted for it
-                control = []
-                if channel.standing is None and channel.notice is None:
-                    channel.standing = torch.zeros(2, dtype=torch.int64, device=t.device)
-                    control = [channel.standing]
-            self.buffers = [t._take(m) for m in channel.layout[1]]
-            works = t._post(
-                t._ops(dist.irecv, control, src, 2 * stream) + t._ops(dist.irecv, self.buffers, src, 2 * stream + 1)
-            )
-            if control and t.standing:
-                channel.standing_work = works.pop(0)
-            elif control:
-                self.control_work = works.pop(0)
-            self.data_works = works
-        else:
-            self.control_work = t._post(t._ops(dist.irecv, [self._control_buffer()], src, 2 * stream))[0]
-            self.data_works = []
-
-    def _control_buffer(self) -> torch.Tensor:
-        self.control = torch.empty(2, dtype=torch.int64, device=self.transport.device)
-        return self.control
-
-    def _announced(self, number: int) -> int:
-        """After a steady message's data receive: the metadata length when it was a stand-in, else 0."""
-        t, channel = self.transport, self.channel
-        notice = channel.notice
-        if notice is None and channel.standing is not None and int(channel.standing[0].item()) != 0:
-            # A control word has landed (or is landing) in the standing receive: complete it and read it.
-            assert channel.standing_work is not None
-            t._wait_all([channel.standing_work], self.src, f"{self.what} (control word)")
-            notice = (int(channel.standing[0].item()), int(channel.standing[1].item()))
-            channel.standing = channel.standing_work = None
-        if notice is not None and notice[0] == number:
-            channel.notice = None
-            return notice[1]
-        channel.notice = notice  # none, or a change announced for a later message
-        return 0
-
-    def wait(self) -> Payload:
-        """The payload; blocks up to the transport's timeout per wait."""
-        if self.result is not None:
-            return self.result
-        t, src, stream, what, channel = self.transport, self.src, self.stream, self.what, self.channel
-        if self.expect is not None:
-            try:
-                t._wait_all(self.data_works, src, what)
-            finally:
-                t._receiving.discard((src, stream))
-            for b, m in zip(self.buffers, self.expect[1], strict=True):
-                b.requires_grad_(m.requires_grad)
-            self.result = tuple(self.buffers) if self.expect[0] else self.buffers[0]
-            return self.result
-        try:
-            channel.count += 1
-            # The data (or the stand-in for the old layout) follows its control word, so waiting for the
-            # data first leaves nothing to wait for in the control word: one wake-up per message, not two.
-            t._wait_all(self.data_works, src, what)
-            if self.steady and t.standing:
-                words = self._announced(channel.count)
-            else:
-                assert self.control_work is not None
-                t._wait_all([self.control_work], src, f"{what} (control word)")
-                number, words = (int(v) for v in self.control.tolist())
-                if number != channel.count:
-                    raise CommError(
-                        f"rank {t.rank} got message {number} from rank {src} on stream {stream} where it expected "
-                        f"message {channel.count}; both sides must exchange messages in the same order",
-                        rank=t.rank,
-                        peer=src,
-                        what=what,
-                    )
-            buffers = self.buffers
-            if words:
-                if buffers:
-                    t.release(tuple(buffers))  # the sender's stand-in for the old layout
-                    buffers = []
-                header = torch.empty(words, dtype=torch.int64, device=t.device)
-                t._receive([header], src, 2 * stream, f"{what} (metadata)")
-                layout = decode(header.cpu())
-            elif channel.layout is None:
-                raise CommError(
-                    f"rank {t.rank} got a payload from rank {src} without metadata on stream {stream}; "
-                    "both sides must exchange messages in the same order",
-                    rank=t.rank,
-                    peer=src,
-                    what=what,
-                )
-            else:
-                layout = channel.layout
-            if not buffers:
-                buffers = [t._take(m) for m in layout[1]]
-                t._receive(buffers, src, 2 * stream + 1, what)
-        finally:
-            t._receiving.discard((src, stream))
-        channel.stable = not words and has_bytes(layout)
-        channel.layout = layout
-        for b, m in zip(buffers, layout[1], strict=True):
-            b.requires_grad_(m.requires_grad)
-        self.result = tuple(buffers) if layout[0] else buffers[0]
-        return self.result

@@ -220,6 +220,8 @@ class Pipeline:
         """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
         self.trace = None if trace is None else Path(trace)
         self.last_result: StepResult | None = None
+        self.closed = False
+        """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
         log.info(
             "rank %d holds stages %s (%d parameters) on %s",
             self.mesh.rank,
@@ -227,6 +229,20 @@ class Pipeline:
             sum(p.numel() for p in self.parameters()),
             self.device,
         )
+
+    def close(self) -> None:
+        """Let go of the process groups this pipeline made (its transport's and its tied copies'), with their
+        threads and sockets; the mesh stays. Every rank closes its pipeline; ``with Pipeline(...) as pipe:``
+        closes it on leaving."""
+        self.transport.close()
+        self.ties.close()
+        self.closed = True
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # --- parameters and state -------------------------------------------------------------------
 
@@ -278,6 +294,8 @@ class Pipeline:
 
     def _split_inputs(self, inputs: Payload | None) -> Microbatches | None:
         """The micro-batches of ``inputs`` on the rank of stage 0; None elsewhere."""
+        if self.closed:
+            raise RuntimeError("this Pipeline is closed (by close() or at the end of its with block); build a new one")
         if not self.is_first:
             return None
         if inputs is None:

@@ -105,6 +105,12 @@ class Ties:
         if self.copies:
             log.info("rank %d keeps copies of tied parameters %s", mesh.rank, [c.tie.names for c in self.copies])
 
+    def close(self) -> None:
+        """Destroy the process groups of this rank's tied copies."""
+        for copy in self.copies:
+            dist.destroy_process_group(copy.group)
+        self.copies = []
+
     def synchronise(self) -> None:
         """Give every copy the value of the first layer that uses it."""
         with torch.no_grad():
