@@ -223,6 +223,10 @@ def init_mesh(
     ``dp`` may be None: it is then the world size divided by the other
     (``init_mesh()`` alone is one pipeline over all processes).
 
+    ``timeout`` bounds every collective of the mesh's groups and, when this
+    call initialises the default group, its rendezvous too: every process
+    must have joined within it (torch's rendezvous takes the group's bound).
+
     Raises:
         ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
     """

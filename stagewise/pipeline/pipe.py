@@ -70,7 +70,8 @@ class Pipeline:
         autocast: run every stage's forward under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``).
         seed: the seed of layer initialisation for meta-device models.
         loss_reduction: how ``loss_fn`` reduces over a batch: "mean" or "sum".
-        timeout: bound on every wait for another rank, in seconds.
+        timeout: bound on every wait for another rank, in seconds (and, when the pipeline makes its mesh, on
+            the processes' start-up: see :func:`stagewise.comm.init_mesh`).
         trace: write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added).
         data_parallel: DDP's options for the replicas of each stage when the mesh has ``dp > 1``.
         nonfinite: when the loss is NaN or infinite, "raise" :class:`NonFiniteLossError` naming the step and
