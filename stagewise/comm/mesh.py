@@ -253,8 +253,8 @@ def init_mesh(
             f"pp={pp} x dp={dp} = {layout.world_size} processes, but the world size is {world}; "
             f"choose pp and dp whose product is {world}, or launch {layout.world_size} processes"
         )
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
+    local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else world
     chosen: Backend
     if dist.is_initialized():
         chosen = "nccl" if dist.get_backend() == "nccl" else "gloo"

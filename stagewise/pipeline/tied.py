@@ -115,7 +115,13 @@ class Ties:
         """Give every copy the value of the first layer that uses it."""
         with torch.no_grad():
             for copy in self.copies:
-                dist.broadcast(copy.param.data, src=copy.source, group=copy.group)
+                try:
+                    dist.broadcast(copy.param.data, src=copy.source, group=copy.group)
+                except RuntimeError as err:
+                    what = f"the broadcast of tied parameter {copy.tie.names[0]!r}'s initial value"
+                    raise collective_failed(
+                        err, rank=self.rank, peer=copy.source, what=what, timeout=self.timeout
+                    ) from err
 
     def set_aside(self) -> list[torch.Tensor | None]:
         """Copy the copies' gradients from before a step, for :meth:`sum_gradients` to leave out of the sum.

@@ -15,7 +15,7 @@ from multiproc import run_ranks
 from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, materialise_model
+from stagewise.pipeline import DataParallel, Pipeline, materialise_model, tied
 
 STEPS = 3
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)
@@ -147,6 +147,25 @@ def test_a_late_tied_copy_gives_a_named_timeout() -> None:
     messages = run_ranks(stalled_tie, 2, 8.0, timeout=90)
     assert messages[0].startswith("CommTimeoutError: rank 0 timed out after 3 s in the sum of the gradients of tied ")
     assert time.monotonic() - started < 60
+
+
+def late_to_synchronise(seconds: float) -> str:
+    """Rank 1 reaches the broadcast of the tied copies' initial value ``seconds`` late."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    if mesh.rank == 1:
+        tied.Ties.synchronise = late(tied.Ties.synchronise, seconds)  # type: ignore[method-assign]
+    part = Partition.from_bounds((0, 2, 6))
+    model = GPT(CONFIG, device="meta")
+    return comm_error(lambda: Pipeline(model, part, n_microbatches=2, loss_fn=lm_loss, mesh=mesh, seed=5, timeout=3))
+
+
+def test_a_copy_late_to_its_initial_value_gives_a_named_timeout() -> None:
+    # The broadcast that gives every copy the first user's value timed out with gloo's bare RuntimeError.
+    messages = run_ranks(late_to_synchronise, 2, 8.0, timeout=90)
+    assert messages[0].startswith(
+        "CommTimeoutError: rank 0 timed out after 3 s in the broadcast of tied parameter 'embed.tokens.weight'"
+    ), messages
 
 
 def frozen_tie() -> list[bool]:
