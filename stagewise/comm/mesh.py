@@ -119,6 +119,13 @@ class PipelineMesh:
     def next_rank(self) -> int | None:
         return self.layout.next_rank(self.rank)
 
+    def close(self) -> None:
+        """Destroy the mesh's own groups (a dimension that spans the world uses the default group, which stays)."""
+        for name in ("pp", "dp"):
+            group = self.device_mesh.get_group(name)
+            if group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
+
     @property
     def pp_group(self) -> dist.ProcessGroup:
         """This rank's pipeline: the ranks of its replica, one per stage."""
@@ -187,6 +194,12 @@ def _fill(pp: int | None, dp: int | None, world: int) -> Layout:
     return Layout(given, world // given) if name == "pp" else Layout(world // given, given)
 
 
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None  # initialised before any mesh is built
+    return group
+
+
 def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: timedelta) -> DeviceMesh:
     """The ("pp", "dp") DeviceMesh over groups whose waits are bounded by ``wait``.
 
@@ -198,6 +211,9 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: t
     rank = dist.get_rank()
     mine: list[dist.ProcessGroup] = []
     for lines in (grid.T.tolist(), grid.tolist()):  # each replica's pipeline, then each stage's replicas
+        if len(lines) == 1:  # the whole world: the default group
+            mine.append(_world())
+            continue
         for ranks in lines:  # every rank makes every group, in the same order
             group = dist.new_group(ranks, timeout=wait, backend=backend)
             if rank in ranks:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -112,6 +112,8 @@ class Transport:
         self._prune_at = _PRUNE_AT
         self._receiving: set[tuple[int, int]] = set()
         self._closed = False
+        self._sending: Counter[int] = Counter()
+        """Storages that sends in flight read, with how many sends read each (see :meth:`release`)."""
 
     def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
         group = self.group
@@ -184,7 +186,9 @@ class Transport:
         return torch.tensor([number, words], dtype=torch.int64, device=self.device)
 
     def _start(self, ops: list[dist.P2POp], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
-        pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep)
+        pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep, done=self._sent_off)
+        for t in keep:
+            self._sending[t.untyped_storage().data_ptr()] += 1
         if len(self._in_flight) >= self._prune_at:
             # Let go of the sends already waited for, now and then (amortised: the list is rebuilt only when
             # it doubles). Gloo cannot tell whether a send has completed without waiting for it, so the
@@ -194,15 +198,30 @@ class Transport:
         self._in_flight.append(pending)
         return pending
 
-    def close(self) -> None:
-        """Wait for the sends in flight, then destroy the process groups this transport made (``dedicated``,
-        per-stream), with their threads and sockets; it sends and receives nothing after. Idempotent."""
-        self.wait_sends()
-        own = [*self._stream_groups, *([self.group] if self.standing and self.group is not None else [])]
-        for group in own:
-            dist.destroy_process_group(group)
-        self._stream_groups = []
+    def _sent_off(self, tensors: Sequence[torch.Tensor]) -> None:
+        """A send has completed: its tensors' memory may be reused (see :meth:`release`)."""
+        for t in tensors:
+            key = t.untyped_storage().data_ptr()
+            self._sending[key] -= 1
+            if self._sending[key] <= 0:
+                del self._sending[key]
+
+    def close(self, *, wait: bool = True) -> None:
+        """Destroy the process groups this transport made (``dedicated``, per-stream), with their threads and
+        sockets, after waiting for the sends in flight (``wait=False``: dropping them, as after an error); it
+        sends and receives nothing after. Closing again does nothing."""
+        if self._closed:
+            return
         self._closed = True
+        own = [*self._stream_groups, *([self.group] if self.standing and self.group is not None else [])]
+        try:
+            if wait:
+                self.wait_sends()
+        finally:
+            self._in_flight = []
+            self._stream_groups = []
+            for group in own:
+                dist.destroy_process_group(group)
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (bounded by the timeout each)."""
@@ -254,13 +273,8 @@ class Transport:
         of it) is not reused: gloo reads a send's data only when the receiver asks for it.
         """
         tensors, _ = as_tensors(payload)
-        busy: set[int] | None = None
         for t in tensors:
-            if t.device != self.device or t.grad_fn is not None:
-                continue
-            if busy is None:
-                busy = {k.untyped_storage().data_ptr() for p in self._in_flight if p.works for k in p.keep}
-            if t.untyped_storage().data_ptr() in busy:
+            if t.device != self.device or t.grad_fn is not None or t.untyped_storage().data_ptr() in self._sending:
                 continue
             key = (t.dtype, tuple(t.shape))
             stack = self._pool.setdefault(key, [])

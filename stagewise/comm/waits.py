@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -30,10 +31,14 @@ class Pending:
     timeout: timedelta
     keep: list[torch.Tensor] = field(default_factory=list)
     """The tensors being sent, kept alive until the sends complete."""
+    done: Callable[[Sequence[torch.Tensor]], None] | None = None
+    """Told of ``keep`` once the sends have completed (the transport then lets their memory be reused)."""
 
     def wait(self) -> None:
         for work in self.works:
             wait_for(work, rank=self.rank, peer=self.peer, what=self.what, timeout=self.timeout, sending=True)
+        if self.done is not None and self.keep:
+            self.done(self.keep)
         self.works, self.keep = [], []
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_mesh
 from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
+from stagewise.pipeline.arguments import checked_schedule
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
@@ -21,10 +22,9 @@ from stagewise.pipeline.loss_sharing import share_loss
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
 from stagewise.pipeline.render import to_chrome_trace
-from stagewise.pipeline.schedules import ScheduleName, build
+from stagewise.pipeline.schedules import ScheduleName
 from stagewise.pipeline.stage import StageModule, materialise
 from stagewise.pipeline.tied import Ties, retie
-from stagewise.pipeline.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -111,57 +111,27 @@ class Pipeline:
         nonfinite: NonFinite = "raise",
         fuse_weight_gradients: WeightGradientFusion | None = WeightGradientFusion(),
     ) -> None:
-        if not isinstance(partition, Partition):
-            raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if fuse_weight_gradients is not None and not isinstance(fuse_weight_gradients, WeightGradientFusion):
-            raise TypeError(
-                f"fuse_weight_gradients must be a WeightGradientFusion or None, got {fuse_weight_gradients!r}; "
-                "e.g. WeightGradientFusion.every() to fuse every linear weight, or None to leave gradient "
-                "accumulation to autograd"
-            )
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         layers = layers_of(model)
-        if partition.n_layers != len(layers):
-            raise ValueError(
-                f"the partition splits {partition.n_layers} layers but the model has {len(layers)}; "
-                "partition this model's layers (stagewise.partition.auto or balance)"
-            )
-        if isinstance(schedule, Schedule):
-            plan = schedule
-            if plan.n_stages != partition.n_stages or plan.n_microbatches != n_microbatches:
-                raise ValueError(
-                    f"the schedule is for {plan.n_stages} stages and {plan.n_microbatches} micro-batches, but the "
-                    f"partition has {partition.n_stages} stages and n_microbatches is {n_microbatches}"
-                )
-        else:
-            plan = build(schedule, partition.n_stages, n_microbatches, n_virtual=n_virtual)
-        validate(plan)
-        if activation_checkpointing and plan.splits_backward:
-            raise ValueError(
-                "activation checkpointing and split backward (zero-bubble) do not combine: W would recompute "
-                "every layer's forward a second time; choose one"
-            )
+        plan = checked_schedule(
+            layers, partition, schedule, n_microbatches, n_virtual=n_virtual, loss_fn=loss_fn,
+            activation_checkpointing=activation_checkpointing, loss_reduction=loss_reduction,
+            fuse_weight_gradients=fuse_weight_gradients, nonfinite=nonfinite, data_parallel=data_parallel,
+        )  # fmt: skip
         self.schedule = plan
         self.partition = partition
         self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=timeout)
+        self._own_mesh = mesh is None
         if self.mesh.layout.pp != plan.n_ranks:
             raise ValueError(
                 f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
                 f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
             )
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
         self.nonfinite: NonFinite = nonfinite
         self.steps = 0
         """Calls of :meth:`step` so far."""
         self.skipped = False
         """Whether the last step was skipped for a non-finite loss."""
         self._bad_microbatch = -1
-        if data_parallel is not None and not isinstance(data_parallel, DataParallel):
-            raise TypeError(f"data_parallel must be a stagewise DataParallel, got {type(data_parallel).__name__}")
         if self.mesh.layout.dp > 1 and data_parallel is not None and data_parallel.find_unused_parameters:
             if fuse_weight_gradients is not None:
                 # DDP learns which parameters a replica used from their gradient hooks, which fused backwards skip.
@@ -231,19 +201,32 @@ class Pipeline:
             self.device,
         )
 
-    def close(self) -> None:
-        """Let go of the process groups this pipeline made (its transport's and its tied copies'), with their
-        threads and sockets; the mesh stays. Every rank closes its pipeline; ``with Pipeline(...) as pipe:``
-        closes it on leaving."""
-        self.transport.close()
-        self.ties.close()
+    def close(self, *, wait: bool = True) -> None:
+        """Let go of the process groups this pipeline made (its transport's, its tied copies', and its mesh's
+        when it built the mesh; a mesh passed in stays, as does the default group), with their threads and
+        sockets, after waiting for its sends in flight (``wait=False`` drops them). Every rank closes its
+        pipeline; ``with Pipeline(...) as pipe:`` closes it on leaving. Closing again does nothing."""
+        if self.closed:
+            return
         self.closed = True
+        try:
+            self.transport.close(wait=wait)
+        finally:
+            self.ties.close()
+            if self._own_mesh:
+                self.mesh.close()
 
     def __enter__(self) -> Pipeline:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        try:  # the block's error is the one to see: sends it left in flight are dropped, not waited for
+            self.close(wait=False)
+        except Exception as err:
+            log.warning("closing the pipeline after an error failed too: %s", err)
 
     # --- parameters and state -------------------------------------------------------------------
 
@@ -289,6 +272,8 @@ class Pipeline:
     # --- running --------------------------------------------------------------------------------
 
     def _to_device(self, payload: Payload) -> Payload:
+        if isinstance(payload, list):  # a list of tensors, as a data loader may give: taken as a tuple
+            payload = tuple(payload)
         tensors, is_tuple = as_tensors(payload)  # refuses what is not a tensor or a tuple of them, naming it
         moved = tuple(t.to(self.device) for t in tensors)
         return moved if is_tuple else moved[0]
@@ -347,21 +332,25 @@ class Pipeline:
         return loss
 
     def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
-        """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`."""
-        if self.is_last and targets is None:
-            raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
-        result = self._forward(inputs)
-        loss = None
-        samples = 0
+        """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`.
+
+        Replicas' batches may differ in size (a last, partial batch), each at least ``n_microbatches``.
+        """
+        ins = self._split_inputs(inputs)
+        tgs = None
         if self.is_last:
-            assert targets is not None
+            if targets is None:
+                raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
             tgs = split(self._to_device(targets), self.n_microbatches, what="targets", reduction=self.loss_reduction)
-            samples = sum(tgs.sizes)
+        if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
+            raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
+        result = self._forward(ins)
+        loss = None
+        if tgs is not None:
             with torch.no_grad():  # micro-batch by micro-batch, weighted as step() weights them
-                losses = [
-                    w * self.loss_fn(out, t) for out, t, w in zip(result.outputs, tgs.parts, tgs.weights, strict=True)
-                ]
-            loss = torch.stack(losses).sum()
+                parts = zip(result.outputs, tgs.parts, tgs.weights, strict=True)
+                loss = torch.stack([w * self.loss_fn(out, t) for out, t, w in parts]).sum()
+        samples = sum(tgs.sizes) if tgs is not None else 0
         return self._share_loss(loss, samples, training=False)  # no gradients: replicas may differ in size
 
     def _share_loss(
@@ -401,13 +390,12 @@ class Pipeline:
         The micro-batches' outputs are joined along dim 0; an output with no batch dimension (a 0-dim
         auxiliary loss, say) comes back stacked, one value per micro-batch.
         """
-        result = self._forward(inputs)
+        result = self._forward(self._split_inputs(inputs))
         return concat(result.outputs) if self.is_last else None
 
-    def _forward(self, inputs: Payload | None) -> StepResult:
+    def _forward(self, ins: Microbatches | None) -> StepResult:
         """Every micro-batch's forward, without gradients; each one's outputs on the last stage's rank."""
         m = self.n_microbatches
-        ins = self._split_inputs(inputs)
         forward = [Action(s, Kind.F, mb) for mb in range(m) for s in sorted(self.stages)]
         with torch.no_grad():
             result = self.executor.run(forward, ins, None, None, training=False)
