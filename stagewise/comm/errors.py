@@ -36,6 +36,15 @@ def timed_out(err: BaseException) -> bool:
     return "timed out" in str(err).lower() or "timeout" in str(err).lower()
 
 
+_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL error")
+"""Words of torch.distributed's errors when a peer is lost (timeouts say "timed out")."""
+
+
+def failed_between_ranks(err: BaseException) -> bool:
+    """Whether ``err``, raised by a collective, is about the other ranks (a timeout, a lost peer), not misuse here."""
+    return timed_out(err) or any(word in str(err) for word in _LOST)
+
+
 def first_line(err: BaseException) -> str:
     """An error's first line, or its type's name when it has no text."""
     text = str(err).strip()

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from stagewise.comm import collective_failed
+from stagewise.comm.errors import failed_between_ranks
 
 
 def clip_grad_norm_(
@@ -78,6 +79,8 @@ def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup, timeout
     try:
         dist.all_reduce(tensor, op=op, group=group)
     except RuntimeError as err:
+        if not failed_between_ranks(err):
+            raise
         rank = dist.get_rank()
         peer = next((r for r in dist.get_process_group_ranks(group) if r != rank), rank)
         what = "the all-reduce of the gradients' norm"

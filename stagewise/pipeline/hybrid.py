@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stagewise.comm import CommError, collective_failed
-from stagewise.comm.errors import timed_out
+from stagewise.comm.errors import failed_between_ranks
 from stagewise.pipeline.actions import Action, Kind
 from stagewise.pipeline.stage import StageModule
 
@@ -124,16 +124,12 @@ class Replicas:
     def failed(self, err: RuntimeError, stage: int, action: Action) -> RuntimeError:
         """What to raise for ``err``, raised by the backward of ``action`` in which DDP all-reduces ``stage``'s
         gradients: a named :class:`~stagewise.comm.CommError` when it is the all-reduce that failed."""
-        if isinstance(err, CommError) or not (timed_out(err) or any(k in str(err) for k in _COMM_FAILURES)):
+        if isinstance(err, CommError) or not failed_between_ranks(err):
             return err
         rank = dist.get_rank()
         peer = next((r for r in dist.get_process_group_ranks(self.group) if r != rank), rank)
         what = f"DDP's all-reduce of stage {stage}'s gradients over its replicas, in {action}"
         return collective_failed(err, rank=rank, peer=peer, what=what, timeout=self.timeout)
-
-
-_COMM_FAILURES = ("Connection closed", "Connection reset", "Broken pipe", "NCCL error")
-"""Words of torch.distributed's errors when a peer is lost (timeouts say "timed out")."""
 
 
 @dataclass(frozen=True)

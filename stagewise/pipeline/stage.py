@@ -234,6 +234,13 @@ class StageModule(nn.Module):
             return
         names = {id(p): name for name, p in self.named_chain_parameters()}
         listed = ", ".join(f"{names.get(id(p), '?')} (in {fn})" for p, fn in unseen)
+        if any(fn == "CheckpointFunctionBackward" for _, fn in unseen):
+            raise RuntimeError(
+                f"a split backward (I then W) computes each parameter's gradient from the ops that read it, but "
+                f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside torch.utils.checkpoint with "
+                "use_reentrant=True, which runs its forward with grad mode off; pass use_reentrant=False, or use a "
+                "schedule without a split backward (1f1b, gpipe)"
+            )
         raise RuntimeError(
             f"a split backward (I then W) computes each parameter's gradient from the ops that read it, but "
             f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside a custom torch.autograd.Function, whose "
