@@ -1,4 +1,4 @@
-"""share_loss(): the step's loss on every rank, combined over the replicas and broadcast along the pipeline."""
+"""share_loss() and share_count(): what every rank of a pipeline learns from the one rank that knows it."""
 
 from __future__ import annotations
 
@@ -69,3 +69,18 @@ def share_loss(
             "every replica the same number of samples (stagewise.pipeline.StageLoader does)"
         )
     return SharedLoss(packet[0].to(torch.float32), int(packet[3]))
+
+
+def share_count(count: int, *, mesh: PipelineMesh, first: int) -> int:
+    """``count`` as the rank ``first`` (this replica's first stage) has it, on every rank of the pipeline."""
+    if mesh.layout.pp == 1:
+        return count
+    packet = torch.tensor([count], dtype=torch.int64, device=mesh.device)
+    try:
+        dist.broadcast(packet, src=first, group=mesh.pp_group)
+    except RuntimeError as err:
+        what = f"the broadcast of the micro-batch count from rank {first}, the first stage's, along the pipeline"
+        raise collective_failed(
+            err, rank=mesh.rank, peer=first, what=what, timeout=mesh.timeout.total_seconds()
+        ) from err
+    return int(packet.item())

@@ -18,13 +18,13 @@ from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel, Replicas
-from stagewise.pipeline.loss_sharing import share_loss
-from stagewise.pipeline.microbatch import LossReduction, Microbatches, concat, split
+from stagewise.pipeline.loss_sharing import share_count, share_loss
+from stagewise.pipeline.microbatch import LossReduction, Microbatches, batch_size, concat, split
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
 from stagewise.pipeline.render import to_chrome_trace
 from stagewise.pipeline.schedules import ScheduleName
-from stagewise.pipeline.stage import StageModule, materialise
-from stagewise.pipeline.tied import Ties, retie
+from stagewise.pipeline.stage import own_stages
+from stagewise.pipeline.tied import Ties
 
 log = logging.getLogger(__name__)
 
@@ -142,25 +142,13 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.loss_reduction: LossReduction = loss_reduction
         self.position = self.mesh.stage
-        self.stages: dict[int, StageModule] = {}
         shared = shared_parameters(layers)  # before materialising, which unties them
         self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
         """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
-        b = partition.bounds
-        for s in plan.stages_of(self.position):
-            mine = layers[b[s] : b[s + 1]]
-            for offset, layer in enumerate(mine):
-                materialise(layer.module, b[s] + offset, self.device, seed)
-            self.stages[s] = StageModule(
-                s,
-                b[s],
-                mine,
-                checkpointing=activation_checkpointing,
-                autocast=autocast,
-                device_type=self.device.type,
-                fusion=fuse_weight_gradients,
-            )
-        retie(layers, shared, {i for s in self.stages for i in range(b[s], b[s + 1])})
+        self.stages = own_stages(
+            layers, partition.bounds, plan.stages_of(self.position), shared, device=self.device, seed=seed,
+            checkpointing=activation_checkpointing, autocast=autocast, fusion=fuse_weight_gradients,
+        )  # fmt: skip
         self.ties = Ties(layers, shared, partition, plan, self.mesh, timeout=timeout)
         self.ties.synchronise()
         peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
@@ -280,13 +268,19 @@ class Pipeline:
 
     def _split_inputs(self, inputs: Payload | None) -> Microbatches | None:
         """The micro-batches of ``inputs`` on the rank of stage 0; None elsewhere."""
-        if self.closed:
-            raise RuntimeError("this Pipeline is closed (by close() or at the end of its with block); build a new one")
+        self._check_open()
         if not self.is_first:
             return None
+        return split(self._first_inputs(inputs), self.n_microbatches, what="inputs")
+
+    def _first_inputs(self, inputs: Payload | None) -> Payload:
         if inputs is None:
             raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
-        return split(self._to_device(inputs), self.n_microbatches, what="inputs")
+        return self._to_device(inputs)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Pipeline is closed (by close() or at the end of its with block); build a new one")
 
     def step(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
         """One training step's forward and backward over the global batch; returns the loss on every rank.
@@ -334,17 +328,18 @@ class Pipeline:
     def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
         """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`.
 
-        Replicas' batches may differ in size (a last, partial batch), each at least ``n_microbatches``.
+        Replicas' batches may differ in size, and a batch smaller than ``n_microbatches`` (a last, partial
+        one) runs as one micro-batch per sample.
         """
-        ins = self._split_inputs(inputs)
+        if self.is_last and targets is None:
+            raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
+        ins, count = self._forward_inputs(inputs)
         tgs = None
-        if self.is_last:
-            if targets is None:
-                raise ValueError(f"rank {self.mesh.rank} holds the last stage and needs the targets; got None")
-            tgs = split(self._to_device(targets), self.n_microbatches, what="targets", reduction=self.loss_reduction)
+        if targets is not None and self.is_last:
+            tgs = split(self._to_device(targets), count, what="targets", reduction=self.loss_reduction)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
-        result = self._forward(ins)
+        result = self._forward(ins, count)
         loss = None
         if tgs is not None:
             with torch.no_grad():  # micro-batch by micro-batch, weighted as step() weights them
@@ -390,13 +385,23 @@ class Pipeline:
         The micro-batches' outputs are joined along dim 0; an output with no batch dimension (a 0-dim
         auxiliary loss, say) comes back stacked, one value per micro-batch.
         """
-        result = self._forward(self._split_inputs(inputs))
+        result = self._forward(*self._forward_inputs(inputs))
         return concat(result.outputs) if self.is_last else None
 
-    def _forward(self, ins: Microbatches | None) -> StepResult:
-        """Every micro-batch's forward, without gradients; each one's outputs on the last stage's rank."""
-        m = self.n_microbatches
-        forward = [Action(s, Kind.F, mb) for mb in range(m) for s in sorted(self.stages)]
+    def _forward_inputs(self, inputs: Payload | None) -> tuple[Microbatches | None, int]:
+        """A forward-only pass's micro-batches (on stage 0's rank) and their count: ``n_microbatches``, or the
+        batch's size when smaller, as stage 0's rank tells the others."""
+        self._check_open()
+        count, payload = self.n_microbatches, None
+        if self.is_first:
+            payload = self._first_inputs(inputs)
+            count = min(count, batch_size(payload, "inputs"))
+        count = share_count(count, mesh=self.mesh, first=self.mesh.layout.rank(0, self.mesh.replica))
+        return (None if payload is None else split(payload, count, what="inputs")), count
+
+    def _forward(self, ins: Microbatches | None, count: int) -> StepResult:
+        """``count`` micro-batches' forwards, without gradients; each one's outputs on the last stage's rank."""
+        forward = [Action(s, Kind.F, mb) for mb in range(count) for s in sorted(self.stages)]
         with torch.no_grad():
             result = self.executor.run(forward, ins, None, None, training=False)
         self._record(result)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
-from stagewise.partition import Layer, Segment, layers_of, shared_parameters
+from stagewise.partition import Layer, Segment, SharedParameter, layers_of, shared_parameters
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.tied import retie
 from stagewise.pipeline.uses import ParameterUses, WeightUse, unseen_reads
@@ -292,6 +292,32 @@ def failure(stage: StageModule, mb: int, data: object, err: BaseException) -> st
         f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
         f"{mb} on its input [{got}], {source}: {type(err).__name__}: {cause}{hint}"
     )
+
+
+def own_stages(
+    layers: Sequence[Layer],
+    bounds: Sequence[int],
+    stages: Iterable[int],
+    shared: Sequence[SharedParameter],
+    *,
+    device: torch.device,
+    seed: int,
+    checkpointing: bool,
+    autocast: torch.dtype | None,
+    fusion: WeightGradientFusion | None,
+) -> dict[int, StageModule]:
+    """This rank's ``stages`` of ``layers`` split at ``bounds``, materialised on ``device`` (see
+    :func:`materialise`) and tied again where they share parameters (``shared``, found before materialising)."""
+    out: dict[int, StageModule] = {}
+    for s in stages:
+        mine = layers[bounds[s] : bounds[s + 1]]
+        for offset, layer in enumerate(mine):
+            materialise(layer.module, bounds[s] + offset, device, seed)
+        out[s] = StageModule(
+            s, bounds[s], mine, checkpointing=checkpointing, autocast=autocast, device_type=device.type, fusion=fusion
+        )
+    retie(layers, shared, {i for s in out for i in range(bounds[s], bounds[s + 1])})
+    return out
 
 
 def materialise_model(model: nn.Module, *, device: torch.device | str = "cpu", seed: int = 0) -> nn.Module:

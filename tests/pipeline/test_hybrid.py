@@ -239,7 +239,7 @@ def test_replicas_with_different_batch_sizes_are_refused() -> None:
         raise AssertionError("uneven replica batches trained without an error")
 
 
-def evaluate_uneven_replicas() -> tuple[float, str]:
+def evaluate_uneven_replicas() -> tuple[float, float, str]:
     torch.set_num_threads(1)
     mesh = init_mesh(1, 2, timeout=60)
     torch.manual_seed(0)
@@ -248,13 +248,15 @@ def evaluate_uneven_replicas() -> tuple[float, str]:
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     rows = slice(0, 4) if mesh.replica == 0 else slice(4, 10)  # a last batch split 4 + 6
     loss = float(pipe.evaluate(x[rows], y[rows]))
+    rows = slice(0, 4) if mesh.replica == 0 else slice(4, 5)  # a last batch of 5 split 4 + 1, under 2 micro-batches
+    small = float(pipe.evaluate(x[rows], y[rows]))
     try:
         pipe.evaluate(x[:8], y[:2])
         mismatch = "evaluated"
     except ValueError as err:
         mismatch = str(err)
     dist.destroy_process_group()
-    return loss, mismatch
+    return loss, small, mismatch
 
 
 def test_evaluation_takes_replica_batches_of_different_sizes() -> None:
@@ -265,8 +267,11 @@ def test_evaluation_takes_replica_batches_of_different_sizes() -> None:
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     with torch.no_grad():
         want = float(mse(model(x), y))
-    for loss, mismatch in run_ranks(evaluate_uneven_replicas, 2).values():
+    with torch.no_grad():
+        small = float(mse(model(x[:5]), y[:5]))
+    for loss, smaller, mismatch in run_ranks(evaluate_uneven_replicas, 2).values():
         assert abs(loss - want) < 1e-5
+        assert abs(smaller - small) < 1e-5
         assert mismatch == "inputs (8 samples) and targets (2) differ in batch size"
 
 

@@ -291,6 +291,7 @@ def scalar_outputs() -> dict[str, object]:
         except TypeError as err:
             refused.append(str(err))
     out = {"evaluated": float(pipe.evaluate(x, y)), "predicted": pipe.predict(x), "refused": refused}
+    out["small"] = pipe.predict(x[:2])  # fewer samples than micro-batches: one micro-batch each
     dist.destroy_process_group()
     return out
 
@@ -309,6 +310,10 @@ def test_scalar_outputs_come_back_per_micro_batch_and_bad_batches_are_named() ->
     hidden, aux = result["predicted"]  # type: ignore[misc]
     torch.testing.assert_close(hidden, torch.cat([o[0] for o in parts]))
     torch.testing.assert_close(aux, torch.stack([o[1] for o in parts]))
+    small_hidden, small_aux = result["small"]  # type: ignore[misc]
+    with torch.no_grad():
+        torch.testing.assert_close(small_hidden, model(x[:2])[0])
+        torch.testing.assert_close(small_aux, torch.stack([model(x[i : i + 1])[1] for i in range(2)]))
     refused = result["refused"]
     assert isinstance(refused, list) and len(refused) == 2
     assert refused[0].startswith("a payload between stages must be a tensor or a non-empty tuple of tensors, got dict")
