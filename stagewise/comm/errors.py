@@ -36,7 +36,7 @@ def timed_out(err: BaseException) -> bool:
     return "timed out" in str(err).lower() or "timeout" in str(err).lower()
 
 
-_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL error")
+_LOST = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe", "NCCL error")
 """Words of torch.distributed's errors when a peer is lost (timeouts say "timed out")."""
 
 

@@ -120,9 +120,13 @@ class PipelineMesh:
         return self.layout.next_rank(self.rank)
 
     def close(self) -> None:
-        """Destroy the mesh's own groups (a dimension that spans the world uses the default group, which stays)."""
+        """Destroy the mesh's own groups (a dimension that spans the world may use the default group, which
+        stays); their threads and sockets go when the mesh itself does. Closing again does nothing."""
         for name in ("pp", "dp"):
-            group = self.device_mesh.get_group(name)
+            try:
+                group = self.device_mesh.get_group(name)
+            except RuntimeError:  # destroyed by an earlier close: torch no longer resolves its name
+                continue
             if group is not dist.group.WORLD:
                 dist.destroy_process_group(group)
 
@@ -200,7 +204,7 @@ def _world() -> dist.ProcessGroup:
     return group
 
 
-def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: timedelta) -> DeviceMesh:
+def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: timedelta, *, world: bool) -> DeviceMesh:
     """The ("pp", "dp") DeviceMesh over groups whose waits are bounded by ``wait``.
 
     ``init_device_mesh`` gives a dimension that is not the whole world a group with torch's default timeout
@@ -211,7 +215,7 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: t
     rank = dist.get_rank()
     mine: list[dist.ProcessGroup] = []
     for lines in (grid.T.tolist(), grid.tolist()):  # each replica's pipeline, then each stage's replicas
-        if len(lines) == 1:  # the whole world: the default group
+        if world and len(lines) == 1:  # the whole world: the default group, made with the same bound
             mine.append(_world())
             continue
         for ranks in lines:  # every rank makes every group, in the same order
@@ -287,7 +291,8 @@ def init_mesh(
     device = torch.device("cuda", local_rank) if chosen == "nccl" else torch.device("cpu")
     if chosen == "nccl":
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    made = not dist.is_initialized()
+    if made:
         store = _attempt_store(world, wait)
         dist.init_process_group(
             chosen,
@@ -297,7 +302,7 @@ def init_mesh(
             rank=rank if store is not None else -1,
             world_size=world if store is not None else -1,
         )
-    mesh = _device_mesh(layout, device, chosen, wait)
+    mesh = _device_mesh(layout, device, chosen, wait, world=made)
     result = PipelineMesh(mesh, layout, rank, device, chosen, wait)
     log.info("%s", result.describe())
     return result

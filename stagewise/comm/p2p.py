@@ -212,14 +212,28 @@ class Transport:
         sends and receives nothing after. Closing again does nothing."""
         if self._closed:
             return
-        self._closed = True
         own = [*self._stream_groups, *([self.group] if self.standing and self.group is not None else [])]
+        if self._receiving and (wait or not own):
+            # On a group it does not own, a posted receive would outlive the transport and take another's message.
+            posted = ", ".join(f"rank {src} (stream {stream})" for src, stream in sorted(self._receiving))
+            drop = (
+                "or close(wait=False) to drop them (after an error: their data is lost)"
+                if own
+                else "on a group this transport does not own they cannot be dropped"
+            )
+            raise RuntimeError(
+                f"rank {self.rank}'s transport still has receives posted from {posted}; wait for them before "
+                f"closing ({drop})"
+            )
+        self._closed = True
         try:
             if wait:
                 self.wait_sends()
         finally:
             self._in_flight = []
             self._stream_groups = []
+            if self.standing:
+                self.group = None  # the group's threads and sockets go with the last reference to it
             for group in own:
                 dist.destroy_process_group(group)
 

@@ -168,6 +168,15 @@ class Executor:
         return StepResult(run.total, run.outputs, run.events, run.spans, run.losses)
 
 
+def scalar_loss(loss_fn: LossFn, output: Payload, target: Payload) -> torch.Tensor:
+    """``loss_fn(output, target)``, refused unless it is a 0-dim tensor."""
+    loss = loss_fn(output, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {got}; reduce it over the micro-batch")
+    return loss
+
+
 class _Run:
     """The state of one pass over a rank's actions."""
 
@@ -321,10 +330,7 @@ class _Run:
     def _loss(self, slot: _Slot, mb: int) -> None:
         if self.targets is None or self.loss_fn is None:
             raise ValueError("the last stage needs targets and a loss_fn; pass targets to step() on its rank")
-        loss = self.loss_fn(slot.output, self.targets.parts[mb])
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"loss_fn must return a scalar tensor, got {got}; reduce it over the micro-batch")
+        loss = scalar_loss(self.loss_fn, slot.output, self.targets.parts[mb])
         self.losses.append(loss.detach())
         slot.loss = loss * self.targets.weights[mb]
         value = slot.loss.detach()

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise.comm import PipelineMesh, collective_failed
+from stagewise.comm.errors import failed_between_ranks
 from stagewise.pipeline.hybrid import combine_losses
 
 
@@ -51,6 +52,8 @@ def share_loss(
         try:
             whole = combine_losses(loss, samples, group=group, mean=mean)
         except RuntimeError as err:
+            if not failed_between_ranks(err):
+                raise
             peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
             what = "the all-gather of the replicas' losses"
             raise collective_failed(err, rank=mesh.rank, peer=peer, what=what, timeout=seconds) from err
@@ -59,6 +62,8 @@ def share_loss(
     try:
         dist.broadcast(packet, src=last, group=mesh.pp_group)
     except RuntimeError as err:
+        if not failed_between_ranks(err):
+            raise
         what = f"the broadcast of the loss from rank {last}, the last stage's, along the pipeline"
         raise collective_failed(err, rank=mesh.rank, peer=last, what=what, timeout=seconds) from err
     smallest, largest = int(packet[1]), int(packet[2])
@@ -79,6 +84,8 @@ def share_count(count: int, *, mesh: PipelineMesh, first: int) -> int:
     try:
         dist.broadcast(packet, src=first, group=mesh.pp_group)
     except RuntimeError as err:
+        if not failed_between_ranks(err):
+            raise
         what = f"the broadcast of the micro-batch count from rank {first}, the first stage's, along the pipeline"
         raise collective_failed(
             err, rank=mesh.rank, peer=first, what=what, timeout=mesh.timeout.total_seconds()

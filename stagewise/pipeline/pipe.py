@@ -15,7 +15,7 @@ from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.arguments import checked_schedule
 from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.executor import Executor, LossFn, StepResult
+from stagewise.pipeline.executor import Executor, LossFn, StepResult, scalar_loss
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel, Replicas
 from stagewise.pipeline.loss_sharing import share_count, share_loss
@@ -190,10 +190,11 @@ class Pipeline:
         )
 
     def close(self, *, wait: bool = True) -> None:
-        """Let go of the process groups this pipeline made (its transport's, its tied copies', and its mesh's
-        when it built the mesh; a mesh passed in stays, as does the default group), with their threads and
-        sockets, after waiting for its sends in flight (``wait=False`` drops them). Every rank closes its
-        pipeline; ``with Pipeline(...) as pipe:`` closes it on leaving. Closing again does nothing."""
+        """Destroy the process groups this pipeline made (its transport's, its tied copies', and its mesh's
+        when it built the mesh; a mesh passed in stays, as does the default group), after waiting for its sends
+        in flight (``wait=False`` drops them). The transport's threads and sockets go at once, those of a mesh
+        the pipeline built when the pipeline object does. Every rank closes its pipeline; ``with Pipeline(...)
+        as pipe:`` closes it on leaving. Closing again does nothing."""
         if self.closed:
             return
         self.closed = True
@@ -344,7 +345,7 @@ class Pipeline:
         if tgs is not None:
             with torch.no_grad():  # micro-batch by micro-batch, weighted as step() weights them
                 parts = zip(result.outputs, tgs.parts, tgs.weights, strict=True)
-                loss = torch.stack([w * self.loss_fn(out, t) for out, t, w in parts]).sum()
+                loss = torch.stack([w * scalar_loss(self.loss_fn, out, t) for out, t, w in parts]).sum()
         samples = sum(tgs.sizes) if tgs is not None else 0
         return self._share_loss(loss, samples, training=False)  # no gradients: replicas may differ in size
 
@@ -395,7 +396,10 @@ class Pipeline:
         count, payload = self.n_microbatches, None
         if self.is_first:
             payload = self._first_inputs(inputs)
-            count = min(count, batch_size(payload, "inputs"))
+            samples = batch_size(payload, "inputs")
+            if samples == 0:
+                raise ValueError("the inputs have no samples (a batch of 0); give at least one")
+            count = min(count, samples)
         count = share_count(count, mesh=self.mesh, first=self.mesh.layout.rank(0, self.mesh.replica))
         return (None if payload is None else split(payload, count, what="inputs")), count
 

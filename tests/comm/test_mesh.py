@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import pytest
@@ -107,8 +108,10 @@ def test_two_by_two_mesh() -> None:
         assert f"pp=2 x dp=2 on 4 processes; rank {rank} is stage {rank // 2}, replica {rank % 2}" in str(value[7])
 
 
-def late_replica(group: str) -> str:
-    mesh = init_mesh(2, 2, timeout=2)
+def late_replica(group: str, world_first: bool = False) -> str:
+    if world_first:  # the default group made beforehand, with a longer bound than the mesh's
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))
+    mesh = init_mesh(2, 2, timeout=2) if not world_first else init_mesh(4, 1, timeout=2)
     if mesh.rank == 3:
         time.sleep(6)  # past the mesh's timeout
     began = time.monotonic()
@@ -121,12 +124,13 @@ def late_replica(group: str) -> str:
     return f"{outcome} after {'less' if waited < 5 else 'more'} than 5 s"
 
 
-@pytest.mark.parametrize("group", ["dp", "pp"])
-def test_the_mesh_timeout_bounds_both_dimensions(group: str) -> None:
+@pytest.mark.parametrize(("group", "world_first"), [("dp", False), ("pp", False), ("pp", True)])
+def test_the_mesh_timeout_bounds_both_dimensions(group: str, world_first: bool) -> None:
     # init_device_mesh gave a dimension that is not the whole world torch's default 30-minute timeout, so a late
-    # replica held DDP's all-reduce far past the mesh's timeout instead of failing.
-    results = run_ranks(late_replica, 4, group, timeout=60)
-    waiting = 2 if group == "dp" else 1  # rank 3's partner in the group
+    # replica held DDP's all-reduce far past the mesh's timeout instead of failing; and a dimension spanning the
+    # world must not take a default group made beforehand with another bound.
+    results = run_ranks(late_replica, 4, group, world_first, timeout=60)
+    waiting = 2 if group == "dp" and not world_first else 1 if not world_first else 0  # a partner of rank 3
     assert results[waiting] == "timed out after less than 5 s"
 
 

@@ -280,6 +280,38 @@ def test_bad_peers_are_refused_and_conjugate_views_arrive_resolved() -> None:
     assert torch.equal(conjugate, x.conj().resolve_conj()) and torch.equal(negative, -x)
 
 
+def close_with_a_receive_posted(dedicated: bool) -> str:
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=dedicated)
+    answer = "no receive"
+    if dist.get_rank() == 1:
+        handle = transport.irecv(0, what="x")
+        try:
+            transport.close()
+            answer = "closed"
+        except RuntimeError as err:
+            answer = str(err)
+        dist.barrier()
+        handle.wait()  # the message arrives where it was awaited
+        transport.close()
+        transport.close()  # again: nothing happens
+    else:
+        dist.barrier()
+        transport.send(torch.ones(2), 1, what="x").wait()
+        transport.close()
+    dist.destroy_process_group()
+    return answer
+
+
+@pytest.mark.parametrize("dedicated", [False, True])
+def test_closing_with_a_receive_posted_is_refused(dedicated: bool) -> None:
+    # Closed with a receive still posted, a transport on the default group left it there to take a later
+    # transport's message (gloo then aborted the process); a dedicated one's second close failed.
+    answer = run_ranks(close_with_a_receive_posted, 2, dedicated)[1]
+    assert answer.startswith("rank 1's transport still has receives posted from rank 0 (stream 0); wait for them")
+    assert ("close(wait=False) to drop them" in answer) == dedicated
+
+
 def reuse_buffers() -> tuple[bool, bool, bool]:
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30)

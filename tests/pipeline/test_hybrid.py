@@ -255,6 +255,10 @@ def evaluate_uneven_replicas() -> tuple[float, float, str]:
         mismatch = "evaluated"
     except ValueError as err:
         mismatch = str(err)
+    try:
+        pipe.evaluate(x[:0], y[:0])
+    except ValueError as err:
+        mismatch += f" | {err}"
     dist.destroy_process_group()
     return loss, small, mismatch
 
@@ -272,7 +276,10 @@ def test_evaluation_takes_replica_batches_of_different_sizes() -> None:
     for loss, smaller, mismatch in run_ranks(evaluate_uneven_replicas, 2).values():
         assert abs(loss - want) < 1e-5
         assert abs(smaller - small) < 1e-5
-        assert mismatch == "inputs (8 samples) and targets (2) differ in batch size"
+        assert mismatch == (
+            "inputs (8 samples) and targets (2) differ in batch size | "
+            "the inputs have no samples (a batch of 0); give at least one"
+        )
 
 
 def late_replica_loss(seconds: float) -> str:
