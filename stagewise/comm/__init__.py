@@ -1,6 +1,6 @@
 """Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
 
-from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed
+from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed, named_collective
 from stagewise.comm.failures import LaunchError, RankFailure
 from stagewise.comm.launch import (
     LaunchOptions,
@@ -41,4 +41,5 @@ __all__ = [
     "init_mesh",
     "launch",
     "launch_module",
+    "named_collective",
 ]

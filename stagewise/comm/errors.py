@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class CommError(RuntimeError):
     """A point-to-point wait that failed: it timed out, or the peer is gone."""
@@ -64,3 +67,15 @@ def collective_failed(err: BaseException, *, rank: int, peer: int, what: str, ti
             what=what,
         )
     return PeerGoneError(f"rank {rank} lost a peer during {what}: {first_line(err)}", rank=rank, peer=peer, what=what)
+
+
+@contextmanager
+def named_collective(*, rank: int, peer: int, what: str, timeout: float | None) -> Iterator[None]:
+    """Within, a collective (``what``, with ``peer`` among its ranks) that times out or loses a peer raises the
+    named :class:`CommError` of :func:`collective_failed`; any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as err:
+        if isinstance(err, CommError) or not failed_between_ranks(err):
+            raise
+        raise collective_failed(err, rank=rank, peer=peer, what=what, timeout=timeout) from err

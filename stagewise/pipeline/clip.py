@@ -11,8 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from stagewise.comm import collective_failed
-from stagewise.comm.errors import failed_between_ranks
+from stagewise.comm import named_collective
 
 
 def clip_grad_norm_(
@@ -76,12 +75,7 @@ def clip_grad_norm_(
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup, timeout: float | None) -> None:
-    try:
+    rank = dist.get_rank()
+    peer = next((r for r in dist.get_process_group_ranks(group) if r != rank), rank)
+    with named_collective(rank=rank, peer=peer, what="the all-reduce of the gradients' norm", timeout=timeout):
         dist.all_reduce(tensor, op=op, group=group)
-    except RuntimeError as err:
-        if not failed_between_ranks(err):
-            raise
-        rank = dist.get_rank()
-        peer = next((r for r in dist.get_process_group_ranks(group) if r != rank), rank)
-        what = "the all-reduce of the gradients' norm"
-        raise collective_failed(err, rank=rank, peer=peer, what=what, timeout=timeout) from err

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -269,20 +270,15 @@ class _Run:
         incoming = self._receive(i, source) if source is not None else None
         began = self._now()
         sync = i in self.sync
-        try:
+        replicas = self.x.replicas
+        # DDP's all-reduce runs in a synchronising backward: its failure between replicas is named.
+        with replicas.synchronising(action.stage, action) if sync and replicas is not None else nullcontext():
             if action.kind is Kind.F:
                 self._forward(action, incoming)
             elif action.kind.is_backward:
                 self._backward(action, incoming, sync=sync)
             else:
                 self._weights(action, sync=sync)
-        except RuntimeError as err:
-            if not sync or self.x.replicas is None:
-                raise
-            named = self.x.replicas.failed(err, action.stage, action)  # DDP's all-reduce runs in this backward
-            if named is err:
-                raise
-            raise named from err
         self.events.append(Event(self.x.position, action, began, self._now()))
 
     def _forward(self, action: Action, incoming: Payload | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,8 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from stagewise.comm import CommError, collective_failed
-from stagewise.comm.errors import failed_between_ranks
+from stagewise.comm import named_collective
 from stagewise.pipeline.actions import Action, Kind
 from stagewise.pipeline.stage import StageModule
 
@@ -121,15 +121,13 @@ class Replicas:
             return
         ddp.reducer.prepare_for_backward(list(outputs) if self.config.find_unused_parameters else [])
 
-    def failed(self, err: RuntimeError, stage: int, action: Action) -> RuntimeError:
-        """What to raise for ``err``, raised by the backward of ``action`` in which DDP all-reduces ``stage``'s
-        gradients: a named :class:`~stagewise.comm.CommError` when it is the all-reduce that failed."""
-        if isinstance(err, CommError) or not failed_between_ranks(err):
-            return err
+    def synchronising(self, stage: int, action: Action) -> AbstractContextManager[None]:
+        """Around the backward of ``action``, in which DDP all-reduces ``stage``'s gradients: when that
+        all-reduce times out or loses a replica, a named :class:`~stagewise.comm.CommError`."""
         rank = dist.get_rank()
         peer = next((r for r in dist.get_process_group_ranks(self.group) if r != rank), rank)
         what = f"DDP's all-reduce of stage {stage}'s gradients over its replicas, in {action}"
-        return collective_failed(err, rank=rank, peer=peer, what=what, timeout=self.timeout)
+        return named_collective(rank=rank, peer=peer, what=what, timeout=self.timeout)
 
 
 @dataclass(frozen=True)

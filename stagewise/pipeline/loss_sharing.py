@@ -7,8 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from stagewise.comm import PipelineMesh, collective_failed
-from stagewise.comm.errors import failed_between_ranks
+from stagewise.comm import PipelineMesh, named_collective
 from stagewise.pipeline.hybrid import combine_losses
 
 
@@ -49,23 +48,16 @@ def share_loss(
     seconds = mesh.timeout.total_seconds()
     if mesh.rank == last and replicated:
         group = mesh.dp_group
-        try:
+        peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
+        with named_collective(
+            rank=mesh.rank, peer=peer, what="the all-gather of the replicas' losses", timeout=seconds
+        ):
             whole = combine_losses(loss, samples, group=group, mean=mean)
-        except RuntimeError as err:
-            if not failed_between_ranks(err):
-                raise
-            peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
-            what = "the all-gather of the replicas' losses"
-            raise collective_failed(err, rank=mesh.rank, peer=peer, what=what, timeout=seconds) from err
         loss, smallest, largest = whole.loss, whole.smallest, whole.largest
     packet = torch.tensor([float(loss), smallest, largest, bad_microbatch], dtype=torch.float64, device=device)
-    try:
+    what = f"the broadcast of the loss from rank {last}, the last stage's, along the pipeline"
+    with named_collective(rank=mesh.rank, peer=last, what=what, timeout=seconds):
         dist.broadcast(packet, src=last, group=mesh.pp_group)
-    except RuntimeError as err:
-        if not failed_between_ranks(err):
-            raise
-        what = f"the broadcast of the loss from rank {last}, the last stage's, along the pipeline"
-        raise collective_failed(err, rank=mesh.rank, peer=last, what=what, timeout=seconds) from err
     smallest, largest = int(packet[1]), int(packet[2])
     if training and mean and smallest != largest:
         raise ValueError(
@@ -81,13 +73,7 @@ def share_count(count: int, *, mesh: PipelineMesh, first: int) -> int:
     if mesh.layout.pp == 1:
         return count
     packet = torch.tensor([count], dtype=torch.int64, device=mesh.device)
-    try:
+    what = f"the broadcast of the micro-batch count from rank {first}, the first stage's, along the pipeline"
+    with named_collective(rank=mesh.rank, peer=first, what=what, timeout=mesh.timeout.total_seconds()):
         dist.broadcast(packet, src=first, group=mesh.pp_group)
-    except RuntimeError as err:
-        if not failed_between_ranks(err):
-            raise
-        what = f"the broadcast of the micro-batch count from rank {first}, the first stage's, along the pipeline"
-        raise collective_failed(
-            err, rank=mesh.rank, peer=first, what=what, timeout=mesh.timeout.total_seconds()
-        ) from err
     return int(packet.item())

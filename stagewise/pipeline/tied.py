@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stagewise.comm import PipelineMesh, collective_failed
+from stagewise.comm import PipelineMesh, named_collective
 from stagewise.partition import Layer, Partition, SharedParameter
 from stagewise.pipeline.actions import Schedule
 
@@ -115,13 +115,9 @@ class Ties:
         """Give every copy the value of the first layer that uses it."""
         with torch.no_grad():
             for copy in self.copies:
-                try:
+                what = f"the broadcast of tied parameter {copy.tie.names[0]!r}'s initial value"
+                with named_collective(rank=self.rank, peer=copy.source, what=what, timeout=self.timeout):
                     dist.broadcast(copy.param.data, src=copy.source, group=copy.group)
-                except RuntimeError as err:
-                    what = f"the broadcast of tied parameter {copy.tie.names[0]!r}'s initial value"
-                    raise collective_failed(
-                        err, rank=self.rank, peer=copy.source, what=what, timeout=self.timeout
-                    ) from err
 
     def set_aside(self) -> list[torch.Tensor | None]:
         """Copy the copies' gradients from before a step, for :meth:`sum_gradients` to leave out of the sum.
@@ -148,11 +144,9 @@ class Ties:
             earlier = before[i] if i < len(before) else None
             if earlier is not None:
                 param.grad.sub_(earlier)
-            try:
+            what = f"the sum of the gradients of tied parameter {copy.tie.names[0]!r}'s copies"
+            with named_collective(rank=self.rank, peer=copy.source, what=what, timeout=self.timeout):
                 dist.all_reduce(param.grad, group=copy.group)
-            except RuntimeError as err:
-                what = f"the sum of the gradients of tied parameter {copy.tie.names[0]!r}'s copies"
-                raise collective_failed(err, rank=self.rank, peer=copy.source, what=what, timeout=self.timeout) from err
             if earlier is not None:
                 param.grad.add_(earlier)
 
