@@ -235,18 +235,18 @@ class StageModule(nn.Module):
         names = {id(p): name for name, p in self.named_chain_parameters()}
         listed = ", ".join(f"{names.get(id(p), '?')} (in {fn})" for p, fn in unseen)
         if any(fn == "CheckpointFunctionBackward" for _, fn in unseen):
-            raise RuntimeError(
-                f"a split backward (I then W) computes each parameter's gradient from the ops that read it, but "
-                f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside torch.utils.checkpoint with "
-                "use_reentrant=True, which runs its forward with grad mode off; pass use_reentrant=False, or use a "
-                "schedule without a split backward (1f1b, gpipe)"
+            where = "torch.utils.checkpoint with use_reentrant=True, which runs its forward with grad mode off"
+            fix = "Pass use_reentrant=False"
+        else:
+            where = "a custom torch.autograd.Function, whose reads it cannot see, so that gradient would be lost"
+            fix = (
+                "Pass the parameter to the Function as a view (Fn.apply(x, self.w.view_as(self.w))), "
+                "which W can start from"
             )
         raise RuntimeError(
             f"a split backward (I then W) computes each parameter's gradient from the ops that read it, but "
-            f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside a custom torch.autograd.Function, whose "
-            "reads it cannot see, so that gradient would be lost. Pass the parameter to the Function as a view "
-            "(Fn.apply(x, self.w.view_as(self.w))), which W can start from, or use a schedule without a split "
-            "backward (1f1b, gpipe)"
+            f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside {where}. {fix}, or use a schedule "
+            "without a split backward (1f1b, gpipe)"
         )
 
     def _fusible(self, *, pooled: bool) -> list[nn.Parameter]:
