@@ -132,9 +132,10 @@ def _accumulated(full: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, pool
     least = fusion.threshold(pooled=pool != 1)
     large = [p for p in full.parameters() if p.numel() >= least] if pool != 0 else []
     store = WeightGradientStore() if pool != 1 else None
+    own = frozenset(id(p) for p in full.parameters())  # the biases a fused op may take, as a stage's
     for i, (xs, ys) in enumerate(zip(x.tensor_split(m), y.tensor_split(m), strict=True)):
         if large:
-            with FusedWeightGradients(large, store=store):
+            with FusedWeightGradients(large, store=store, own=own):
                 out = full(xs)
         else:
             out = full(xs)

@@ -88,6 +88,8 @@ def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``param.grad += a @ b`` as one GEMM that reads and writes ``.grad`` in place (or sets it)."""
     if param.grad is None:
         param.grad = a.mm(b)
+    elif param.grad.layout != torch.strided:  # a sparse gradient left by a tied sparse embedding
+        param.grad = a.mm(b) + param.grad  # dense + sparse: torch adds them only this way round
     else:
         param.grad.addmm_(a, b)
 
@@ -228,8 +230,11 @@ class FusedWeightGradients(TorchFunctionMode):
     other requested gradient passes through it (zero-bubble's I).
 
     Only the forward needs the mode: what it records decides the backward.
-    Ops under autocast, without grad mode, on weights outside ``params`` or
-    not requiring grad, or with a computed (non-leaf) bias run unchanged. Hooks on a fused parameter's
+    Ops under autocast or without grad mode run unchanged, as do those whose
+    weight is outside ``params``, not a matrix or not requiring grad, whose
+    input is one of ``params``, or whose bias is not one of ``own`` (the
+    stage's parameters; by default ``params``: a received or computed bias
+    gives its gradient to autograd) or not shaped ``(out,)``. Hooks on a fused parameter's
     gradient accumulator (``Tensor.register_hook``,
     ``register_post_accumulate_grad_hook``, DDP's reducer) do not see the
     gradients of fused backwards; run the backward they must see without
@@ -242,9 +247,12 @@ class FusedWeightGradients(TorchFunctionMode):
         *,
         store: WeightGradientStore | None = None,
         anchor: torch.Tensor | None = None,
+        own: frozenset[int] | None = None,
     ) -> None:
         super().__init__()
         self.ids = frozenset(id(p) for p in params)
+        self.own = self.ids if own is None else own
+        """The ``id`` of every parameter a fused op's bias may be."""
         self.store = store
         """Where backwards leave their weight gradients, when deferred; None accumulates them at once."""
         self.anchor = anchor
@@ -263,8 +271,12 @@ class FusedWeightGradients(TorchFunctionMode):
             if (
                 id(weight) in self.ids
                 and weight.requires_grad
-                and (bias is None or bias.is_leaf)  # a computed bias's gradient must flow on, through autograd
+                and weight.dim() == 2  # a vector "weight" (F.linear(x, v)) is a dot product: autograd's
+                # A bias that is not this stage's own parameter (a received or computed one) must give its gradient
+                # to autograd, which sends it on; one shaped otherwise than (out,) broadcasts.
+                and (bias is None or (id(bias) in self.own and bias.shape == weight.shape[:1]))
                 and isinstance(x, torch.Tensor)
+                and id(x) not in self.ids  # F.linear(w, w): the input's gradient is the weight's too
                 and not torch.is_autocast_enabled(x.device.type)
             ):
                 return _AccumulatingLinear.apply(x, weight, bias, self.store, self.anchor)  # type: ignore[no-untyped-call]

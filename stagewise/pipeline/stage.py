@@ -162,6 +162,7 @@ class StageModule(nn.Module):
         """While a list, every use of parameters is appended here as the layers run (see :class:`WeightUse`)."""
         self._large: dict[bool, list[nn.Parameter]] = {}
         """The parameters a fused forward may take, without and with pooling."""
+        self._ids: frozenset[int] | None = None
         self._recorder: ParameterUses | None = None
         """Records the uses of parameters outside segments; built once: a stage's parameters are fixed once it runs."""
         for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
@@ -199,7 +200,8 @@ class StageModule(nn.Module):
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         large = self._fusible(pooled=pooled) if fused else []
-        modes: list[TorchFunctionMode] = [FusedWeightGradients(large, store=store, anchor=anchor)] if large else []
+        fusing = FusedWeightGradients(large, store=store, anchor=anchor, own=self._own_ids()) if large else None
+        modes: list[TorchFunctionMode] = [fusing] if fusing is not None else []
         recording = modes
         if owners is not None:
             if self._recorder is None:
@@ -248,6 +250,12 @@ class StageModule(nn.Module):
             f"{listed} {'is' if len(unseen) == 1 else 'are'} read inside {where}. {fix}, or use a schedule "
             "without a split backward (1f1b, gpipe)"
         )
+
+    def _own_ids(self) -> frozenset[int]:
+        """The ``id`` of every parameter of this stage, found once: a stage's parameters are fixed once it runs."""
+        if self._ids is None:
+            self._ids = frozenset(id(p) for p in self.parameters())
+        return self._ids
 
     def _fusible(self, *, pooled: bool) -> list[nn.Parameter]:
         """The parameters a fused forward may take, listed once: a stage's parameters are fixed once it runs."""

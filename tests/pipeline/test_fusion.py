@@ -448,3 +448,57 @@ def test_the_executor_pools_what_rank_pool_chooses(checkpointing: bool, pool: in
     stage = StageModule(1, 1, layers_of(chain.build()), checkpointing=checkpointing, fusion=WeightGradientFusion())
     executor = Executor(build("1f1b", 2, 6), 1, {1: stage}, _LocalTransport(), [0, 1], fusion=stage.fusion)  # type: ignore[arg-type]
     assert executor.pool == pool
+
+
+def _fused(out: torch.Tensor) -> bool:
+    return "AccumulatingLinear" in type(out.grad_fn).__name__
+
+
+def test_linears_the_fused_backward_cannot_take_run_unchanged_and_keep_autograds_gradients() -> None:
+    # Each of these was fused: a vector weight and a broadcast bias crashed in the backward; a bias that is
+    # not the stage's own (received from the stage before) and F.linear(w, w) lost part of their gradients.
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
+    row_bias, own_bias = nn.Parameter(torch.randn(1, 3)), nn.Parameter(torch.randn(3))
+    received = torch.randn(3, requires_grad=True)  # a leaf, as a stage's received input is
+    x = torch.randn(2, 3)
+    cases = {
+        "vector weight": lambda: F.linear(x, v),
+        "broadcast bias": lambda: F.linear(x, w, row_bias),
+        "received bias": lambda: F.linear(x, w, received),
+        "weight as input": lambda: F.linear(w, w),
+    }
+    own = frozenset(id(p) for p in (w, v, row_bias, own_bias))
+    for name, call in cases.items():
+        want = torch.autograd.grad(call().square().sum(), [w, v, row_bias, received], allow_unused=True)
+        with FusedWeightGradients([w, v], own=own):
+            out = call()
+        assert not _fused(out), name
+        got = torch.autograd.grad(out.square().sum(), [w, v, row_bias, received], allow_unused=True)
+        for g, expected in zip(got, want, strict=True):
+            assert (g is None) == (expected is None), name
+            if g is not None:
+                torch.testing.assert_close(g, expected, msg=name)
+    with FusedWeightGradients([w], own=own):
+        assert _fused(F.linear(x, w, own_bias))  # the stage's own (out,) bias: fused as before
+
+
+def test_a_weight_tied_to_a_sparse_embedding_accumulates_into_its_sparse_gradient() -> None:
+    # The embedding's backward leaves a sparse .grad; the pooled fused GEMM then failed in addmm_.
+    torch.manual_seed(0)
+    embed = nn.Embedding(6, 4, sparse=True)
+    ids = torch.tensor([[1, 2], [3, 1]])
+
+    def forward() -> torch.Tensor:
+        return F.linear(F.gelu(embed(ids)), embed.weight)  # the LM head tied to the embedding
+
+    forward().square().sum().backward()
+    want = embed.weight.grad.to_dense()  # type: ignore[union-attr]
+    embed.weight.grad = None
+    store = WeightGradientStore()
+    with FusedWeightGradients([embed.weight], store=store):
+        out = forward()
+    assert _fused(out)
+    out.square().sum().backward()  # the embedding's sparse gradient first; the pooled head's at the flush
+    store.flush()
+    torch.testing.assert_close(embed.weight.grad.to_dense(), want)  # type: ignore[union-attr]
