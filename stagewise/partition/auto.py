@@ -88,10 +88,9 @@ def params_of(
 ) -> int:
     """Parameters (elements, or bytes with ``nbytes``) of ``layers`` (indices: a stage's ``range(start, stop)``, or
     a rank's stages together), each shared one counted once."""
-    repeats = sum(
-        (tie.nbytes if nbytes else tie.numel) * max(sum(i in layers for i in tie.indices) - 1, 0) for tie in shared
-    )
-    return sum(costs[i].param_bytes if nbytes else costs[i].params for i in layers) - repeats
+    ties = [Tie(tie.indices, tie.nbytes if nbytes else tie.numel) for tie in shared]
+    repeats = sum(tie.repeated(layers) for tie in ties)
+    return sum(costs[i].param_bytes if nbytes else costs[i].params for i in layers) - int(repeats)
 
 
 def auto(

@@ -107,8 +107,7 @@ class MemoryModel:
     def fixed_bytes(self, layers: Collection[int]) -> float:
         """Fixed bytes of ``layers`` (indices: a stage's ``range(start, stop)``, or a rank's stages together), a tie
         among them counted once."""
-        repeats = sum(tie.amount * max(sum(i in layers for i in tie.layers) - 1, 0) for tie in self.ties)
-        return sum(self.fixed[i] for i in layers) - repeats
+        return sum(self.fixed[i] for i in layers) - sum(tie.repeated(layers) for tie in self.ties)
 
     def stage_bytes(self, stage: int, start: int, stop: int) -> float:
         """Bytes that layers ``start:stop`` need when they form stage ``stage``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -25,6 +25,10 @@ class Tie:
     amount: float
     """What each of those layers' value includes: finite and >= 0; a layer's ties add up to at most its value (up to
     rounding)."""
+
+    def repeated(self, layers: Collection[int]) -> float:
+        """What ``layers`` count of it beyond once: its amount for each of its layers among them but one."""
+        return self.amount * max(sum(i in layers for i in self.layers) - 1, 0)
 
     def holds(self, start: int, stop: int) -> bool:
         """Whether layers ``start:stop`` include one of :attr:`layers` or more."""
