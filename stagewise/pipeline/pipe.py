@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from datetime import timedelta
 from pathlib import Path
 
@@ -27,6 +28,14 @@ from stagewise.pipeline.stage import own_stages
 from stagewise.pipeline.tied import Ties
 
 log = logging.getLogger(__name__)
+
+
+def _quietly(close: Callable[..., None], **options: bool) -> None:
+    """Close something a failed constructor made, keeping the constructor's error the one raised."""
+    try:
+        close(**options)
+    except Exception as err:
+        log.warning("closing after a failed Pipeline construction failed too: %s", err)
 
 
 class Pipeline:
@@ -121,66 +130,74 @@ class Pipeline:
         self.partition = partition
         self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=timeout)
         self._own_mesh = mesh is None
-        if self.mesh.layout.pp != plan.n_ranks:
-            raise ValueError(
-                f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
-                f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
+        with ExitStack() as undo:  # a failure below closes the groups made so far; then close() owns them
+            if self._own_mesh:
+                undo.callback(_quietly, self.mesh.close)
+            if self.mesh.layout.pp != plan.n_ranks:
+                raise ValueError(
+                    f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
+                    f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
+                )
+            self.nonfinite: NonFinite = nonfinite
+            self.steps = 0
+            """Calls of :meth:`step` so far."""
+            self.skipped = False
+            """Whether the last step was skipped for a non-finite loss."""
+            self._bad_microbatch = -1
+            if self.mesh.layout.dp > 1 and data_parallel is not None and data_parallel.find_unused_parameters:
+                if fuse_weight_gradients is not None:
+                    # DDP learns which parameters a replica used from their gradient hooks, which fused backwards skip.
+                    log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
+                fuse_weight_gradients = None
+            self.device = torch.device(device) if device is not None else self.mesh.device
+            self.n_microbatches = n_microbatches
+            self.loss_fn = loss_fn
+            self.loss_reduction: LossReduction = loss_reduction
+            self.position = self.mesh.stage
+            shared = shared_parameters(layers)  # before materialising, which unties them
+            self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
+            """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
+            self.stages = own_stages(
+                layers, partition.bounds, plan.stages_of(self.position), shared, device=self.device, seed=seed,
+                checkpointing=activation_checkpointing, autocast=autocast, fusion=fuse_weight_gradients,
+            )  # fmt: skip
+            self.ties = Ties(layers, shared, partition, plan, self.mesh, timeout=timeout)
+            undo.callback(_quietly, self.ties.close)
+            self.ties.synchronise()
+            peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
+            # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
+            self.transport = Transport(
+                device=self.device, timeout=timedelta(seconds=timeout), dedicated=True, streams=2
             )
-        self.nonfinite: NonFinite = nonfinite
-        self.steps = 0
-        """Calls of :meth:`step` so far."""
-        self.skipped = False
-        """Whether the last step was skipped for a non-finite loss."""
-        self._bad_microbatch = -1
-        if self.mesh.layout.dp > 1 and data_parallel is not None and data_parallel.find_unused_parameters:
-            if fuse_weight_gradients is not None:
-                # DDP learns which parameters a replica used from their gradient hooks, which fused backwards skip.
-                log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
-            fuse_weight_gradients = None
-        self.device = torch.device(device) if device is not None else self.mesh.device
-        self.n_microbatches = n_microbatches
-        self.loss_fn = loss_fn
-        self.loss_reduction: LossReduction = loss_reduction
-        self.position = self.mesh.stage
-        shared = shared_parameters(layers)  # before materialising, which unties them
-        self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
-        """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
-        self.stages = own_stages(
-            layers, partition.bounds, plan.stages_of(self.position), shared, device=self.device, seed=seed,
-            checkpointing=activation_checkpointing, autocast=autocast, fusion=fuse_weight_gradients,
-        )  # fmt: skip
-        self.ties = Ties(layers, shared, partition, plan, self.mesh, timeout=timeout)
-        self.ties.synchronise()
-        peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
-        # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
-        self.transport = Transport(device=self.device, timeout=timedelta(seconds=timeout), dedicated=True, streams=2)
-        dp = self.mesh.layout.dp
-        self.replicas = None
-        if dp > 1:
-            config = data_parallel if data_parallel is not None else DataParallel()
-            self.replicas = Replicas(
+            undo.callback(_quietly, self.transport.close, wait=False)
+            dp = self.mesh.layout.dp
+            self.replicas = None
+            if dp > 1:
+                config = data_parallel if data_parallel is not None else DataParallel()
+                self.replicas = Replicas(
+                    self.stages,
+                    group=self.mesh.dp_group,
+                    device=self.device,
+                    config=config,
+                    timeout=self.mesh.timeout.total_seconds(),
+                )
+            self.executor = Executor(
+                plan,
+                self.position,
                 self.stages,
-                group=self.mesh.dp_group,
-                device=self.device,
-                config=config,
-                timeout=self.mesh.timeout.total_seconds(),
+                self.transport,
+                peers,
+                replicas=self.replicas,
+                grad_scale=float(dp) if loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
+                fusion=fuse_weight_gradients,
             )
-        self.executor = Executor(
-            plan,
-            self.position,
-            self.stages,
-            self.transport,
-            peers,
-            replicas=self.replicas,
-            grad_scale=float(dp) if loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
-            fusion=fuse_weight_gradients,
-        )
-        self.fusion = fuse_weight_gradients
-        """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
-        self.trace = None if trace is None else Path(trace)
-        self.last_result: StepResult | None = None
-        self.closed = False
-        """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
+            self.fusion = fuse_weight_gradients
+            """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
+            self.trace = None if trace is None else Path(trace)
+            self.last_result: StepResult | None = None
+            self.closed = False
+            """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
+            undo.pop_all()
         log.info(
             "rank %d holds stages %s (%d parameters) on %s",
             self.mesh.rank,

@@ -373,6 +373,42 @@ def test_a_closed_pipeline_lets_go_of_its_process_groups() -> None:
     assert results[1]["raised"] == "NonFiniteLossError"
 
 
+class Uninitialisable(torch.nn.Module):
+    """A meta-device layer with a parameter that no reset_parameters() covers: materialising it is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.empty(4, device="meta"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def failed_constructions() -> dict[str, object]:
+    torch.set_num_threads(1)
+    init_mesh(2)
+    counts, errors = [], []
+    for _ in range(4):  # each builds its own mesh, then fails materialising its stage
+        try:
+            Pipeline(torch.nn.Sequential(Uninitialisable(), Uninitialisable()), Partition.from_bounds((0, 1, 2)),
+                     n_microbatches=2, loss_fn=mse)  # fmt: skip
+        except TypeError as err:
+            errors.append(str(err))
+        counts.append(threads())
+    dist.destroy_process_group()
+    return {"threads": counts, "errors": errors}
+
+
+def test_a_pipeline_that_fails_to_build_closes_the_groups_it_made() -> None:
+    # A Pipeline that made its own mesh and then failed (here: a meta parameter it cannot initialise) left the
+    # mesh's process groups, with gloo's threads, open for the rest of the process.
+    for result in run_ranks(failed_constructions, 2).values():
+        errors = result["errors"]
+        assert isinstance(errors, list) and len(errors) == 4 and "reset_parameters" in errors[0], errors
+        counts = result["threads"]
+        assert isinstance(counts, list) and counts[3] == counts[2] == counts[1], counts  # gloo lets go a bit later
+
+
 def misc(tmp: str) -> dict[str, object]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=30)
