@@ -332,10 +332,11 @@ class _Run:
         value = slot.loss.detach()
         self.total = value if self.total is None else self.total + value
 
-    def _arm(self, stage: int, outputs: list[torch.Tensor]) -> None:
-        """Make the coming backward into ``stage``'s parameters all-reduce them over the replicas."""
+    def _arm(self, stage: int, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Make the coming backward from ``outputs`` all-reduce ``stage``'s gradients over the replicas; returns
+        the roots to add to it (see :meth:`Replicas.prepare`)."""
         assert self.x.replicas is not None
-        self.x.replicas.prepare(stage, outputs)
+        return self.x.replicas.prepare(stage, outputs)
 
     def _backward(self, action: Action, incoming: Payload | None, *, sync: bool = False) -> None:
         s, mb, x = action.stage, action.microbatch, self.x
@@ -360,10 +361,16 @@ class _Run:
         if not roots:  # nothing here depends on a gradient-carrying input or parameter
             input_grads = [torch.zeros_like(t) for t in wanted]
             slot.owner_grads = [[None] * len(group) for group in per_owner]
+            if sync and action.kind is Kind.B:  # the replicas still all-reduce what earlier micro-batches left
+                self.flush()
+                extra = self._arm(s, [])
+                if extra:
+                    torch.autograd.backward(extra)
         elif action.kind is Kind.B or not (wanted or per_owner):
             if sync:
                 self.flush()  # DDP all-reduces .grad during this backward: it must be complete
-                self._arm(s, roots)
+                extra = self._arm(s, roots)
+                roots, root_grads = [*roots, *extra], [*root_grads, *(None for _ in extra)]
             torch.autograd.backward(roots, root_grads)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
         else:
@@ -394,9 +401,7 @@ class _Run:
 
     def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))
-        arm = None
-        if sync:  # before the first of W's backwards: together they complete the stage's gradients
-            arm = functools.partial(self._arm, action.stage, [t for u in slot.owners for t in grad_tensors(u.output)])
+        arm = functools.partial(self._arm, action.stage) if sync else None  # W's backwards complete the gradients
         weight_gradients(slot.owners, slot.owner_grads, joint=slot.joint, before=arm)
         if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
             slot.store.flush()

@@ -114,12 +114,29 @@ class Replicas:
             self.wrapped[s] = ddp
         log.info("stages %s synchronise gradients with DDP over %d replicas", list(self.wrapped), group.size())
 
-    def prepare(self, stage: int, outputs: Sequence[torch.Tensor]) -> None:
-        """Arm the reducer of ``stage``: the next backward into its parameters all-reduces their gradients."""
+    def prepare(self, stage: int, outputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Arm the reducer of ``stage`` for the backward from ``outputs``, which then all-reduces the gradients.
+
+        Returns the roots to add to that backward: none, unless it reaches none of the stage's parameters (this
+        micro-batch used none of them, or nothing in it needs a gradient). Then DDP's hooks would not fire,
+        and the gradients that earlier micro-batches accumulated would stay unsynchronised (with
+        ``find_unused_parameters``: silently). The added root is zero and reads one parameter (with
+        ``find_unused_parameters``, one that already has a gradient where one does) or every parameter (without,
+        as DDP then waits for each); its backward adds zero to their gradients (a zero gradient where one was
+        None), and the replicas all-reduce what they accumulated.
+        """
         ddp = self.wrapped.get(stage)
         if ddp is None:
-            return
-        ddp.reducer.prepare_for_backward(list(outputs) if self.config.find_unused_parameters else [])
+            return []
+        trained = [p for p in ddp.module.parameters() if p.requires_grad]
+        extra: list[torch.Tensor] = []
+        if not reaches(outputs, trained):
+            if self.config.find_unused_parameters:
+                trained = [next((p for p in trained if p.grad is not None), trained[0])]
+            terms = [p.flatten()[:1].sum() for p in trained]  # one element each (none of an empty one)
+            extra = [sum(terms[1:], terms[0]) * 0.0]
+        ddp.reducer.prepare_for_backward([*outputs, *extra] if self.config.find_unused_parameters else [])
+        return extra
 
     def synchronising(self, stage: int, action: Action) -> AbstractContextManager[None]:
         """Around the backward of ``action``, in which DDP all-reduces ``stage``'s gradients: when that
@@ -128,6 +145,24 @@ class Replicas:
         peer = next((r for r in dist.get_process_group_ranks(self.group) if r != rank), rank)
         what = f"DDP's all-reduce of stage {stage}'s gradients over its replicas, in {action}"
         return named_collective(rank=rank, peer=peer, what=what, timeout=self.timeout)
+
+
+def reaches(outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> bool:
+    """Whether a backward from ``outputs`` reaches any of ``params``: a walk of their autograd graph."""
+    targets = {id(p) for p in params}
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    if any(id(t) in targets for t in outputs if t.requires_grad and t.grad_fn is None):
+        return True
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if id(getattr(node, "variable", None)) in targets:  # an AccumulateGrad node: a leaf's gradient
+            return True
+        for following, _ in node.next_functions:
+            if following is not None and following not in seen:
+                seen.add(following)
+                stack.append(following)
+    return False
 
 
 @dataclass(frozen=True)

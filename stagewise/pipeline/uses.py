@@ -168,7 +168,7 @@ def weight_gradients(
     grads: Sequence[Sequence[torch.Tensor | None]],
     *,
     joint: bool = False,
-    before: Callable[[], None] | None = None,
+    before: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> None:
     """Zero-bubble's W: each use's parameter gradients, from the gradients of its outputs that I computed.
 
@@ -176,8 +176,9 @@ def weight_gradients(
     at the inputs :class:`ParameterUses` marked, so no activation gradient is
     computed again and each read of a parameter contributes once. With
     ``joint`` (every op's inputs marked), one backward covers all the uses,
-    so each parameter is accumulated once. ``before`` runs just before the
-    first backward (DDP arms its reducer there).
+    so each parameter is accumulated once. ``before`` runs before the
+    backwards, with their roots, and returns roots of a backward to run as
+    well (DDP arms its reducer there; see :meth:`Replicas.prepare`).
     """
     jobs = []
     for use, got in zip(owners, grads, strict=True):
@@ -188,12 +189,12 @@ def weight_gradients(
     if joint and jobs:
         unique = {id(p): p for params, _ in jobs for p in params}
         jobs = [(list(unique.values()), [pair for _, pairs in jobs for pair in pairs])]
+    extra = before([t for _, pairs in jobs for t, _ in pairs]) if before is not None else []
     with direct_gradients_only():
         for params, pairs in jobs:
-            if before is not None:
-                before()
-                before = None
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], inputs=params, retain_graph=True)
+    if extra:
+        torch.autograd.backward(extra)
 
 
 def unseen_reads(output: object, hidden: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, str]]:

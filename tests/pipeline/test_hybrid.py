@@ -419,3 +419,69 @@ def test_a_replica_missing_from_ddps_all_reduce_gives_a_named_timeout() -> None:
         "CommTimeoutError: rank 0 timed out after 3 s in DDP's all-reduce of stage 0's gradients over its replicas, "
         "in 0B1"
     )
+
+
+class Scale(nn.Module):
+    """Multiplies by a parameter that starts at one: the values pass unchanged, and now carry a gradient."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def gate_last(pp: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*([Scale(6)] if pp > 1 else []), Gate(6))
+
+
+def gated_steps(model: nn.Module | Pipeline, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[dict[str, Any]]:
+    """Two SGD steps; the gradients of each, by parameter name."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for x, y in batches:
+        opt.zero_grad()
+        if isinstance(model, Pipeline):
+            model.step(x, y)
+        else:
+            mse(model(x), y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    return grads
+
+
+def unused_by_the_synchronising_micro_batch(pp: int) -> dict[str, list[dict[str, Any]]]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(pp, 2, timeout=30)
+    x, y = gated_batch()
+    y = y.repeat(1, 3)
+    r = mesh.replica
+    out = {}
+    for schedule in ("gpipe", "1f1b", "zero-bubble"):
+        for unused in (True, False):
+            pipe = Pipeline(gate_last(pp), Partition.from_bounds(tuple(range(pp + 1))), schedule=schedule,
+                            n_microbatches=3, loss_fn=mse, mesh=mesh, timeout=30,
+                            data_parallel=DataParallel(find_unused_parameters=unused))  # fmt: skip
+            out[f"{schedule} {unused}"] = gated_steps(pipe, [(x[6 * r : 6 * r + 6], y[6 * r : 6 * r + 6])] * 2)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_replicas_synchronise_when_the_last_micro_batch_uses_none_of_a_stages_parameters(pp: int) -> None:
+    # The gate's linear is used by replica 0's first micro-batch only. DDP all-reduces a stage's gradients in the
+    # hooks of its last backward of the step, and here that backward reached none of the stage's parameters
+    # (pp=1: nothing in it needed a gradient): no hook fired, and each replica kept its own gradients.
+    x, y = gated_batch()
+    want = gated_steps(gate_last(pp), [(x, y.repeat(1, 3))] * 2)
+    for rank, results in run_ranks(unused_by_the_synchronising_micro_batch, 2 * pp, pp, timeout=180).items():
+        for case, got in results.items():
+            for step, (mine, reference) in enumerate(zip(got, want, strict=True)):
+                held = {n for n in reference if pp == 1 or n.startswith("0.") == (rank < 2)}  # rank r: stage r // 2
+                assert set(mine) == held, (rank, case, step, sorted(mine))
+                for name in mine:
+                    torch.testing.assert_close(
+                        mine[name], reference[name], atol=1e-6, rtol=1e-5, msg=f"rank {rank} {case} step {step} {name}"
+                    )
