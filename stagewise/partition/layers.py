@@ -51,8 +51,16 @@ class SharedParameter:
     """Its bytes."""
 
 
+def _entries(container: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """A container's children in order; a module it holds under two names comes at both (``named_children``
+    lists it once, but ``nn.Sequential`` runs it twice)."""
+    for name, module in container.named_modules(remove_duplicate=False):
+        if name and "." not in name:
+            yield name, module
+
+
 def _children(prefix: str, container: nn.Module, flatten: bool) -> Iterator[Layer]:
-    for key, child in container.named_children():
+    for key, child in _entries(container):
         name = f"{prefix}.{key}" if prefix else key
         if flatten and isinstance(child, _CONTAINERS):
             yield from _children(name, child, flatten)
@@ -131,7 +139,8 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
 
     Raises:
         TypeError: the model is not a chain; the message says how to make it one.
-        ValueError: the model has no layers, or lists a layer twice.
+        ValueError: the model has no layers, lists a layer twice, or runs a module with parameters or
+            buffers at two places.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"layers_of expects an nn.Module, got {type(model).__name__}")
@@ -157,6 +166,7 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"{kind} lists these layers more than once: {dup}; each layer may appear once")
+    _check_reused(kind, layers)
     if hasattr(model, CHAIN_ATTRIBUTE):
         covered = {id(p) for layer in layers for p in layer.module.parameters()}
         stray = [n for n, p in model.named_parameters() if id(p) not in covered]
@@ -166,3 +176,20 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
                 f"{' ...' if len(stray) > 5 else ''}; list every module that owns parameters"
             )
     return layers
+
+
+def _check_reused(kind: str, layers: list[Layer]) -> None:
+    """Refuse a module with parameters or buffers at two places of the chain; a stateless one (an activation)
+    may recur."""
+    first: dict[int, Layer] = {}
+    for layer in layers:
+        earlier = first.setdefault(id(layer.module), layer)
+        stateful = any(True for _ in layer.module.parameters()) or any(True for _ in layer.module.buffers())
+        if earlier is not layer and stateful:
+            raise ValueError(
+                f"{kind} runs the same {type(layer.module).__name__} as layers {earlier.name!r} and {layer.name!r}; "
+                "a layer with parameters or buffers may appear once in a chain, since each stage holds its own "
+                f"layers. To share its weights, put a module of its own at {layer.name!r} and tie its parameters to "
+                f"{earlier.name!r}'s (e.g. second.weight = first.weight): stagewise keeps tied parameters equal "
+                "across stages"
+            )

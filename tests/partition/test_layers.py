@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from torch import nn
@@ -139,3 +141,21 @@ def test_tied_weights_are_detected_and_named() -> None:
     assert found[0].layers == ("0", "2") and found[0].names == ("0.weight", "2.weight")
     assert found[0].indices == (0, 2) and found[0].attributes == ("weight", "weight")
     assert found[0].numel == 40 and found[0].nbytes == 160
+
+
+def test_a_module_run_at_two_places_of_a_chain_is_listed_at_both_or_refused() -> None:
+    # named_children() lists a module once however often a container holds it, so nn.Sequential(lin, act, lin)
+    # gave two layers, and the pipeline trained a model without the second lin.
+    act = nn.ReLU()
+    chain = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act)  # a stateless module may recur
+    assert [layer.name for layer in layers_of(chain)] == ["0", "1", "2", "3"]
+    assert layers_of(chain)[3].module is act
+    lin = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"Sequential runs the same Linear as layers '0' and '2'; .* tie its param"):
+        layers_of(nn.Sequential(lin, act, lin))
+    with pytest.raises(ValueError, match=r"runs the same BatchNorm1d as layers 'a' and 'c'"):
+        norm = nn.BatchNorm1d(2, affine=False)  # buffers only
+        layers_of(nn.Sequential(OrderedDict(a=norm, b=act, c=norm)))
+    tied = nn.Linear(2, 2)
+    tied.weight, tied.bias = lin.weight, lin.bias  # the way to share the weights
+    assert [layer.name for layer in layers_of(nn.Sequential(lin, act, tied))] == ["0", "1", "2"]
