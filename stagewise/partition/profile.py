@@ -90,15 +90,34 @@ def _like(value: Payload, fn: Callable[[torch.Tensor], torch.Tensor]) -> Payload
     return fn(value) if isinstance(value, torch.Tensor) else tuple(fn(v) for v in value)
 
 
-def _fresh(value: Payload, *, first: bool = False) -> Payload:
+def _fresh(value: Payload, *, first: bool = False, copy: bool = False) -> Payload:
     """A stage-boundary input: detached, and requiring grad where it is floating point.
 
     The first layer's input is the data, which asks for a gradient only where the sample does: a pipeline
-    computes no gradient of its inputs, so neither its FLOPs nor its time count one.
+    computes no gradient of its inputs, so neither its FLOPs nor its time count one. With ``copy``, a tensor
+    that requires grad comes as a copy of the leaf, which a layer may change in place (as ``Pipeline`` runs a
+    stage that does).
     """
-    if first:
-        return _like(value, lambda t: t.detach().requires_grad_(t.requires_grad))
-    return _like(value, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        leaf = t.detach().requires_grad_(t.requires_grad if first else t.is_floating_point())
+        return leaf.clone() if copy and leaf.requires_grad else leaf
+
+    return _like(value, fresh)
+
+
+def _changes_its_input(work: nn.Module, inputs: Payload) -> bool:
+    """Whether ``work`` changes its input in place (``ReLU(inplace=True)``), which autograd refuses on a leaf: a
+    forward, whose graph is dropped."""
+    if not any(t.requires_grad for t in _tensors(inputs, "sample")):
+        return False
+    try:
+        work(inputs)
+    except RuntimeError as err:
+        if "leaf Variable that requires grad is being used in an in-place operation" in str(err):
+            return True
+        raise
+    return False
 
 
 def _on(target: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -196,7 +215,9 @@ def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
     return work
 
 
-def _time(work: nn.Module, inputs: Payload, device: torch.device, warmup: int, repeats: int, *, first: bool) -> float:
+def _time(
+    work: nn.Module, inputs: Payload, device: torch.device, warmup: int, repeats: int, *, first: bool, copy: bool
+) -> float:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -204,7 +225,7 @@ def _time(work: nn.Module, inputs: Payload, device: torch.device, warmup: int, r
     samples = []
     for i in range(warmup + repeats):
         work.zero_grad(set_to_none=True)
-        x = _fresh(inputs, first=first)
+        x = _fresh(inputs, first=first, copy=copy)
         sync()
         start = clock.perf_counter()
         _backward(work(x))
@@ -282,7 +303,8 @@ def profile(
         # Training's costs; a segment traced in eval mode runs only as traced.
         work.train(work.traced_training if isinstance(work, Segment) else True)
         saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
-        inputs = _fresh(current, first=index == 0)
+        copy = _changes_its_input(work, _fresh(current, first=index == 0))
+        inputs = _fresh(current, first=index == 0, copy=copy)
         in_storages = [t.untyped_storage() for t in _tensors(inputs, "sample")]
         with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), FusedAttentionOnMeta(), pooled:
@@ -297,7 +319,7 @@ def profile(
             if before and storage in saved.storages
         )
         kept_outputs = [t.untyped_storage() in saved.storages for t in outs]
-        elapsed = _time(work, current, target, warmup, repeats, first=index == 0) if time else None
+        elapsed = _time(work, current, target, warmup, repeats, first=index == 0, copy=copy) if time else None
         params = list(layer.module.parameters())
         costs.append(
             LayerCost(

@@ -21,6 +21,8 @@ from stagewise.pipeline.uses import ParameterUses, WeightUse, unseen_reads
 
 log = logging.getLogger(__name__)
 
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+"""Autograd's error for an in-place change of a tensor whose gradient is wanted (or of a view of it)."""
 _SEED_STRIDE = 1_000_003  # a prime: seeds (seed, layer) apart for any realistic layer count
 
 
@@ -163,6 +165,8 @@ class StageModule(nn.Module):
         self._large: dict[bool, list[nn.Parameter]] = {}
         """The parameters a fused forward may take, without and with pooling."""
         self._ids: frozenset[int] | None = None
+        self.copies_input: bool | None = None
+        """Whether the layers change their input in place, so that they run on a copy (None: not known yet)."""
         self._recorder: ParameterUses | None = None
         """Records the uses of parameters outside segments; built once: a stage's parameters are fixed once it runs."""
         for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
@@ -196,7 +200,51 @@ class StageModule(nn.Module):
         of linear weights of at least :attr:`fusion`'s threshold (its pooled
         one, if ``pooled``) straight into ``.grad``, or into ``store`` until its
         ``flush``; ``anchor`` as in :class:`FusedWeightGradients`.
+
+        A stage whose layers change their input in place (``ReLU(inplace=True)``
+        right after the cut) runs on a copy of it: the input is a leaf whose
+        gradient the pipeline sends back, which autograd lets nothing change in
+        place. The first forward that needs an input gradient finds this out:
+        if it fails so, its buffers (batch norms' statistics) are put back and it
+        runs again on a copy, as does every forward after it.
         """
+        apply = functools.partial(
+            self._run_layers, owners=owners, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor
+        )
+        items = x if isinstance(x, tuple) else (x,)
+        wanted = any(isinstance(t, torch.Tensor) and t.requires_grad for t in items)
+        if self.copies_input is None and torch.is_grad_enabled() and wanted:
+            kept = [(b, b.clone()) for b in self.buffers()]
+            try:
+                out = apply(x)
+                self.copies_input = False
+                return out
+            except RuntimeError as err:
+                if _IN_PLACE_ON_LEAF not in str(err):
+                    raise
+                with torch.no_grad():
+                    for buffer, value in kept:
+                        buffer.copy_(value)
+                if owners is not None:
+                    owners.clear()
+                self.copies_input = True
+                log.info("stage %d changes its input in place: it runs on a copy of it", self.index)
+        if self.copies_input:
+            copies = tuple(t.clone() if isinstance(t, torch.Tensor) and t.requires_grad else t for t in items)
+            x = copies if isinstance(x, tuple) else copies[0]
+        return apply(x)
+
+    def _run_layers(
+        self,
+        x: object,
+        *,
+        owners: list[WeightUse] | None,
+        joint: bool,
+        fused: bool,
+        store: WeightGradientStore | None,
+        pooled: bool,
+        anchor: torch.Tensor | None,
+    ) -> object:
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
         large = self._fusible(pooled=pooled) if fused else []
@@ -288,17 +336,9 @@ def failure(stage: StageModule, mb: int, data: object, err: BaseException) -> st
     got = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
     source = f"which stage {stage.index - 1} sent" if stage.index > 0 else "the inputs passed to step()"
     cause = str(err).strip().splitlines()[0]
-    hint = ""
-    if "leaf Variable that requires grad is being used in an in-place operation" in cause:
-        cause = cause.rstrip(".")
-        hint = (
-            f"; stage {stage.index}'s input is a leaf whose gradient the pipeline sends back, so its first layers "
-            "may not change it in place: set inplace=False on that op (ReLU(inplace=True) right after the cut, "
-            "say) or move the cut past it"
-        )
     return (
         f"stage {stage.index} (layers {stage.names[0]} .. {stage.names[-1]}) failed in the forward of micro-batch "
-        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {cause}{hint}"
+        f"{mb} on its input [{got}], {source}: {type(err).__name__}: {cause}"
     )
 
 

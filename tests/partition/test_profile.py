@@ -236,3 +236,15 @@ def test_seven_billion_parameters_on_meta_without_allocating() -> None:
 def test_layer_cost_is_a_plain_record() -> None:
     cost = LayerCost("x", 1, 4, 0, 6, 2, 4, 4, None)
     assert cost.name == "x" and cost.flops == 6
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_layer_that_changes_its_input_in_place_is_profiled_on_a_copy(device: str) -> None:
+    # Each layer's input is a leaf that requires grad, which autograd lets nothing change in place:
+    # ReLU(inplace=True), common in CNNs, made profile() and auto() fail with autograd's error.
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    costs = profile(model, torch.randn(4, 8, device=device), time=device == "cpu")
+    assert [c.name for c in costs] == ["0", "1", "2"]
+    assert [c.forward_flops for c in costs] == [2 * 4 * 8 * 8, 0, 2 * 4 * 8 * 2]
+    assert costs[1].output_bytes == 4 * 8 * 4
