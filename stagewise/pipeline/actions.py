@@ -30,7 +30,7 @@ class Kind(enum.Enum):
 _TOKEN = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Action:
     """One unit of work: ``kind`` for ``microbatch`` on ``stage``. Prints as ``"0F3"``."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,16 @@ def _rest(part: str, given: tuple[float, ...], backward: tuple[float, ...]) -> t
             "B, so neither exceeds it; give a larger backward, or both input_grad and weight_grad"
         )
     return tuple(b - x for x, b in zip(given, backward, strict=True))
+
+
+def _check_split(i: tuple[float, ...], w: tuple[float, ...], b: tuple[float, ...]) -> None:
+    """Refuse an input_grad and weight_grad that do not add up to the backward they split."""
+    for s, (x, y, whole) in enumerate(zip(i, w, b, strict=True)):
+        if not math.isclose(x + y, whole, rel_tol=1e-9, abs_tol=1e-12):
+            raise ValueError(
+                f"input_grad ({x:g}) + weight_grad ({y:g}) = {x + y:g} on stage {s}, but backward is {whole:g}: I and "
+                "W split B, so they add up to it; give two of the three"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,8 @@ class StageCosts:
         w = None if weight_grad is None else _per_stage("weight_grad", weight_grad, n_stages)
         if backward is not None:
             b = _per_stage("backward", backward, n_stages)
+            if i is not None and w is not None:
+                _check_split(i, w, b)
         elif i is not None and w is not None:
             b = tuple(x + y for x, y in zip(i, w, strict=True))
         else:

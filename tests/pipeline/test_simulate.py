@@ -58,6 +58,10 @@ def test_costs_take_numpy_numbers() -> None:
         ({"transfer": [-1.0]}, r"transfer must be >= 0 for every boundary, got \[-1.0\]"),
         ({"input_grad": 5.0, "backward": 2.0}, r"input_grad takes 5 on stage 0, more than the whole backward \(2\)"),
         ({"weight_grad": [1.0, 3.0]}, r"weight_grad takes 3 on stage 1, more than the whole backward \(2\)"),
+        (
+            {"backward": 2.0, "input_grad": 1.5, "weight_grad": 1.5},  # was accepted, and zero-bubble came out slower
+            r"input_grad \(1.5\) \+ weight_grad \(1.5\) = 3 on stage 0, but backward is 2: .* give two of the three",
+        ),
     ],
 )
 def test_bad_costs(kwargs: dict[str, object], pattern: str) -> None:
