@@ -84,6 +84,7 @@ class Segment(nn.Module):
         """While set (and gradients are on), called with each op's output that reads state, and that state."""
         self._variants: dict[tuple[torch.device, bool], torch.fx.GraphModule] = {(traced_on, False): graph.module}
         tensors = [fqn for fqn in graph.state if fqn not in constants]
+        persistent = set(model.state_dict(keep_vars=True))
         for path in _wholly_read(model, set(tensors)):
             self._attach(path, model.get_submodule(path))
         holders: list[tuple[nn.Module | None, str]] = []
@@ -100,7 +101,7 @@ class Segment(nn.Module):
                 if isinstance(value, nn.Parameter):
                     here.register_parameter(leaf, value)
                 else:
-                    here.register_buffer(leaf, value)
+                    here.register_buffer(leaf, value, persistent=fqn in persistent)
             holders.append((here, leaf))
         self._refs = _Refs(holders, {fqn: constants[fqn] for fqn in graph.state if fqn in constants})
         self._mutated = [self._holder_of(fqn) for fqn in graph.mutated]
@@ -371,7 +372,10 @@ def trace(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = 
         raise TraceError(f"{type(model).__name__} must return a tensor or a tuple of tensors, its output is {spec}")
     graphs, names = cut(ep, boundary_names=order)
     device = args[0].device
-    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)}
+    # torch.export lists non-persistent buffers among its constants; they stay the model's buffers here, so that
+    # materialising a meta model (or moving it) reaches them.
+    buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and k not in buffers}
     segments = [
         Segment(
             name,

@@ -79,6 +79,50 @@ def test_a_meta_model_is_materialised_segment_by_segment_on_the_cpu() -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
+class CachedScale(nn.Module):
+    """A block with a non-persistent buffer that reset_parameters() fills (a cache, as of rotary angles)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.register_buffer("scale", torch.empty(d), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.fc.reset_parameters()
+        with torch.no_grad():
+            self.scale.copy_(torch.linspace(0.5, 1.5, len(self.scale)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.relu(self.fc(x)) * self.scale
+        return out
+
+
+class CachedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CachedScale(8) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_non_persistent_buffer_stays_the_models_through_materialisation() -> None:
+    # torch.export keeps non-persistent buffers among its constants: the segments read the meta tensor captured
+    # at tracing, so a meta model, once materialised, could not run or be profiled.
+    with torch.device("meta"):
+        model = CachedNet()
+    chain = trace(model, torch.zeros(2, 8, device="meta"))
+    materialise_model(chain, seed=0)
+    assert not any(b.is_meta for b in model.buffers())
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)
+    assert profile(chain, x, time=True)[0].time is not None
+    assert set(chain.state_dict()) == set(model.state_dict())  # still not saved
+
+
 class NormBlock(nn.Module):
     """A residual block whose batch norm and dropout behave differently in training and in eval mode."""
 
