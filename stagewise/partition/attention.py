@@ -44,7 +44,9 @@ class FusedAttentionOnMeta(TorchFunctionMode):
     On the meta device torch falls back to the unfused math path, which saves
     the whole attention matrix for backward; GPUs and CPUs run a fused kernel
     that saves only the output and the log-sum-exp, and recomputes the rest.
-    Under this mode meta profiling counts what the fused kernel does.
+    Under this mode meta profiling counts what the fused kernel does. Grouped-query attention
+    (``enable_gqa``) runs the kernel on keys and values repeated to the query heads' number: the same FLOPs,
+    and saved bytes that count the repeated keys and values (a native kernel saves them unrepeated).
     """
 
     def __torch_function__(
@@ -60,9 +62,14 @@ class FusedAttentionOnMeta(TorchFunctionMode):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = dict(zip(names, args, strict=False)) | kwargs  # passed by position or by name alike
         query = bound.get("query")
-        if not isinstance(query, torch.Tensor) or query.device.type != "meta" or bound.get("enable_gqa", False):
+        if not isinstance(query, torch.Tensor) or query.device.type != "meta":
             return func(*args, **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
+        if bound.get("enable_gqa", False) and k.dim() >= 3 and q.size(-3) != k.size(-3) and k.size(-3):
+            # Grouped-query attention: each key/value head serves a group of query heads. Counted as the fused
+            # kernel on key/value heads repeated to the query heads' number: the same FLOPs, no T x T matrix.
+            groups = q.size(-3) // k.size(-3)
+            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
         dropout = float(bound.get("dropout_p", 0.0))
         causal = bool(bound.get("is_causal", False))
         scale = bound.get("scale")

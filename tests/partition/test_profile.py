@@ -248,3 +248,30 @@ def test_a_layer_that_changes_its_input_in_place_is_profiled_on_a_copy(device: s
     assert [c.name for c in costs] == ["0", "1", "2"]
     assert [c.forward_flops for c in costs] == [2 * 4 * 8 * 8, 0, 2 * 4 * 8 * 2]
     assert costs[1].output_bytes == 4 * 8 * 4
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal attention of 8 query heads over 2 key/value heads (enable_gqa), as in Llama-style models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.kv = nn.Linear(64, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 8, 8).transpose(1, 2)
+        k, v = self.kv(x).view(b, t, 2, 2, 8).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, t, 64)
+
+
+def test_grouped_query_attention_on_meta_counts_a_fused_kernel() -> None:
+    # On meta, enable_gqa fell back to the unfused math path: 18.8 times the CPU's saved bytes (the T x T
+    # attention matrix) and fewer FLOPs. Now the FLOPs are the CPU's and the bytes within the repeated keys/values.
+    x = torch.randn(2, 512, 64)
+    (real,) = profile(nn.Sequential(GroupedQueryAttention()), x)
+    with torch.device("meta"):
+        model = nn.Sequential(GroupedQueryAttention())
+    (meta,) = profile(model, x.to("meta"))
+    assert meta.flops == real.flops and meta.forward_flops == real.forward_flops
+    assert real.saved_bytes <= meta.saved_bytes < 1.5 * real.saved_bytes, (meta.saved_bytes, real.saved_bytes)
