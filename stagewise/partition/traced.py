@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,15 +25,16 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList)
 
 def repeated_blocks(model: nn.Module) -> list[str]:
     """The paths of the model's repeated blocks: the children of every ``nn.Sequential`` or
-    ``nn.ModuleList`` with at least two children of one class, outermost first (blocks inside
-    a block are not listed)."""
+    ``nn.ModuleList`` with at least two children of one class (alternating dense and mixture-of-experts
+    blocks too), outermost first (blocks inside a block are not listed)."""
     found: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
             kids = list(child.named_children())
-            if isinstance(child, _CONTAINERS) and len(kids) >= 2 and len({type(c) for _, c in kids}) == 1:
+            classes = Counter(type(c) for _, c in kids)
+            if isinstance(child, _CONTAINERS) and classes and max(classes.values()) >= 2:
                 found.extend(f"{path}.{k}" for k, _ in kids)
             else:
                 visit(path, child)

@@ -264,3 +264,43 @@ def test_what_cannot_be_traced_or_cut_is_refused_with_the_reason() -> None:
     chain.eval()
     with pytest.raises(RuntimeError, match=r"traced in training mode and contains dropout or batch norm"):
         chain(torch.randn(2, 4))
+
+
+class Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(x))
+
+
+class Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.experts[0](x) + self.experts[1](x)) / 2
+
+
+class Alternating(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Dense(), Experts(), Dense(), Experts()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_blocks_of_two_alternating_classes_are_cut_at_each_block() -> None:
+    # Only a container whose children were all of one class counted: a list of dense and expert blocks was
+    # passed over, and the chain was cut between the experts inside a block instead.
+    model = Alternating()
+    assert repeated_blocks(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    x = torch.randn(2, 8)
+    chain = trace(model, x)
+    assert [layer.name for layer in layers_of(chain)] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    torch.testing.assert_close(chain(x), model(x))
