@@ -135,6 +135,38 @@ def _everyone_agrees(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
+JOB_FILE = "job"
+"""The file in a checkpoint directory that names the job writing checkpoints there (see :func:`claim`)."""
+
+
+def owner(directory: str | Path) -> str | None:
+    """The job that last claimed ``directory`` for its checkpoints (see :func:`claim`); None if none did."""
+    try:
+        return (Path(directory) / JOB_FILE).read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def claim(directory: str | Path, job: str, device: torch.device) -> None:
+    """Before training, rank 0 makes ``directory`` and records there that job ``job`` writes its checkpoints; every
+    rank calls it. An unwritable directory fails here rather than at the first save, and after a failure the
+    restarted ranks of that job find the directory theirs (:func:`owner`), where another job's is not."""
+    root = Path(directory)
+    problem = ""
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            staged = root / f".{JOB_FILE}.partial"
+            staged.write_text(f"{job}\n")
+            staged.replace(root / JOB_FILE)  # at once: a restarted rank may be reading it
+        except OSError as err:
+            problem = f": {err}"
+    if not _everyone_agrees(not problem, device):
+        raise CheckpointError(
+            f"rank 0 cannot write checkpoints to {root}{problem}; choose a writable checkpoint directory"
+        )
+
+
 def save(
     directory: str | Path,
     pipe: Pipeline,

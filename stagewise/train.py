@@ -289,7 +289,11 @@ def train(
     optimizer = _optimizer(config, pipe)
     position = checkpoint.Progress(0, 0, 0)
     found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
-    if config.resume or (_restarted() and config.checkpoint_dir is not None):
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    # A restart continues its own job's checkpoints, never another's (torchrun without --rdzv-id names every job
+    # "none", and then it cannot tell).
+    own = config.checkpoint_dir is not None and (not job or checkpoint.owner(config.checkpoint_dir) == job)
+    if config.resume or (_restarted() and own):
         if found is None:
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
@@ -301,11 +305,9 @@ def train(
                     f"with the same batch size (--batch-size {position.batch_size})"
                 )
     elif found is not None:
-        raise ValueError(
-            f"{config.checkpoint_dir} already holds checkpoints (the latest {found.name}), from an earlier run: "
-            "continue that run with resume (stagewise train --resume), or start this one in another checkpoint "
-            "directory (--checkpoint-dir DIR, or --no-checkpoints), or delete those checkpoints"
-        )
+        raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
+    if config.checkpoint_dir is not None:
+        checkpoint.claim(config.checkpoint_dir, job, pipe.device)
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
@@ -344,6 +346,15 @@ def train(
         if done == end or (config.eval_every and done % config.eval_every == 0):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))
     return summary
+
+
+def fresh_run_refused(directory: str | Path, found: Path) -> str:
+    """Why a run that does not resume may not write into ``directory``, whose latest checkpoint is ``found``."""
+    return (
+        f"{directory} already holds checkpoints (the latest {found.name}), from an earlier run: continue that run "
+        "with resume (stagewise train --resume), or start this one in another checkpoint directory (--checkpoint-dir "
+        "DIR, or --no-checkpoints), or delete those checkpoints"
+    )
 
 
 def _restarted() -> bool:

@@ -149,16 +149,18 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
     argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "6"]
     argv += ["--trace", str(out / "traces" / "step.json")]  # a folder that does not exist yet
     done = subprocess.run(
-        [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=230, check=False
-    )
+        [sys.executable, "-m", "stagewise", "-v", "train", *argv], capture_output=True, text=True, timeout=230,
+        check=False,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "stagewise.pipeline.pipe: rank 1 holds stages [1]" in done.stderr  # -v reaches the launched processes
     assert "backend gloo" in done.stdout and "pp=2 x dp=1 on 2 processes" in done.stdout
     assert "train: 100%" in done.stderr  # rank 0's progress bar reaches the terminal
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 12 and summary["losses"][-1] < summary["losses"][0] - 1.0
     assert [step for step, _ in summary["evals"]] == [6, 12]
     assert (out / "loss.png").stat().st_size > 0
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step-00000006", "step-00000012"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["job", "step-00000006", "step-00000012"]
     assert f"checkpoint {out / 'ckpt' / 'step-00000012'}" in done.stdout
     for rank in range(2):
         events = json.loads((out / "traces" / f"step.rank{rank}.json").read_text())["traceEvents"]
@@ -234,3 +236,29 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["train", "--weight-grad-pool", "0"])
     assert "--weight-grad-pool: expected a number >= 1 or 'free', got 0" in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An unwritable --out, --trace or checkpoint folder was found only after every step had run.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    assert main(["train", "--no-checkpoints", "--out", str(blocked / "out")]) == 2
+    assert f"--out: cannot make the folder {blocked}/out (Not a directory); choose a writable one" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--no-checkpoints", "--trace", str(blocked / "step.json"), "--out", str(tmp_path)]) == 2
+    assert f"--trace: cannot make the folder {blocked} (File exists)" in capsys.readouterr().err
+
+
+def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Refused only inside the launched processes, a run with --max-restarts was restarted by the agent, and the
+    # restart continued the earlier run's checkpoints.
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / ".metadata").write_bytes(b"")
+    code = main(["train", "--checkpoint-dir", str(tmp_path), "--max-restarts", "1", "--out", str(tmp_path / "o")])
+    assert code == 2
+    assert "already holds checkpoints (the latest step-00000004), from an earlier run" in capsys.readouterr().err

@@ -115,3 +115,19 @@ def test_a_restarted_job_ends_with_the_parameters_of_an_uninterrupted_one(tmp_pa
     a = torch.load(checkpoint.export(tmp_path / "whole" / "step-00000006", tmp_path / "a.pt"), weights_only=True)
     b = torch.load(checkpoint.export(tmp_path / "restarted" / "step-00000006", tmp_path / "b.pt"), weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def fresh(root: str) -> list[float]:
+    """Train two steps afresh into ``root``, or fail on finding another run's checkpoints there."""
+    torch.set_num_threads(1)
+    return train(dataclasses.replace(BASE, stages=1, checkpoint_dir=root, steps=2, checkpoint_every=0)).losses
+
+
+def test_a_restarted_job_never_continues_another_jobs_checkpoints(tmp_path: Path) -> None:
+    # The first attempt refused the folder of an earlier run; the agent counted that as a failure and restarted,
+    # and the restart, which continues from the latest checkpoint, trained on from the other run's.
+    run_ranks(fresh, 1, str(tmp_path), timeout=150)
+    assert checkpoint.owner(tmp_path) is not None
+    with pytest.raises(LaunchError, match=r"already holds checkpoints \(the latest step-00000002\), from an earlier"):
+        run_ranks(fresh, 1, str(tmp_path), timeout=150, max_restarts=1)
+    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]

@@ -206,6 +206,27 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     )
 
 
+def unwritable_checkpoints(blocked: str) -> tuple[str, int]:
+    """Train with a checkpoint folder that cannot be made: the error, and the steps run before it."""
+    torch.set_num_threads(1)
+    steps: list[int] = []
+    config = dataclasses.replace(BASE, stages=1, steps=3, checkpoint_dir=f"{blocked}/checkpoints")
+    try:
+        train(config, on_step=lambda step, loss, seconds: steps.append(step))
+    except checkpoint.CheckpointError as err:
+        return str(err), len(steps)
+    return "trained", len(steps)
+
+
+def test_an_unwritable_checkpoint_folder_fails_before_the_first_step(tmp_path: Path) -> None:
+    # It failed at the first save, after the steps before it had run (a whole run with --checkpoint-every 0).
+    blocked = tmp_path / "a-file"
+    blocked.write_text("a file where the checkpoint folder's parent should be")
+    message, steps = run_ranks(unwritable_checkpoints, 1, str(blocked), timeout=120)[0]
+    assert message.startswith(f"rank 0 cannot write checkpoints to {blocked}/checkpoints: "), message
+    assert steps == 0
+
+
 def tiny_validation(text: str) -> tuple[str, int]:
     """Train on a text whose validation split is smaller than a batch: the error, and the steps run before it."""
     torch.set_num_threads(1)

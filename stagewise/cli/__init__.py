@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from stagewise.cli import partition, plan, schedule, train
+from stagewise.cli.args import LOG_FORMAT
 from stagewise.comm import LaunchError
 
 
@@ -24,7 +25,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format=LOG_FORMAT)
     run = {"train": train.run, "plan": plan.run, "partition": partition.run, "schedule": schedule.run}[ns.command]
     try:
         return run(ns)

@@ -10,6 +10,9 @@ import torch
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.units import parse_bytes
 
+LOG_FORMAT = "%(name)s: %(message)s"
+"""How the commands (and the processes ``train`` launches) log."""
+
 
 def size(text: str) -> float:
     """Bytes, as ``parse_bytes`` reads them; its message reaches the user (argparse hides a ValueError's)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -12,12 +13,13 @@ from typing import Any, get_args
 
 import torch
 
+from stagewise import checkpoint
 from stagewise.cli import args
 from stagewise.comm import Layout, launch
 from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline, ScheduleName
 from stagewise.planner import load_plan
-from stagewise.train import Optimizer, Summary, TrainConfig, train
+from stagewise.train import Optimizer, Summary, TrainConfig, fresh_run_refused, train
 
 DEFAULTS = TrainConfig()
 
@@ -135,8 +137,10 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
 
 
-def run_rank(config: TrainConfig) -> Summary:
-    """One rank's part of ``train``: rank 0 shows the layout and a progress bar."""
+def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
+    """One rank's part of ``train``: rank 0 shows the layout and a progress bar; ``verbose`` logs debug messages
+    (a launched process configures its logging anew)."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=args.LOG_FORMAT)
     rank = int(os.environ.get("RANK", "0"))
     bar: Any = None
     tokens = config.batch_size * config.tokens_per_sample
@@ -200,8 +204,19 @@ def report(summary: Summary, out: Path) -> list[str]:
     return lines
 
 
+def _writable(flag: str, folder: Path) -> None:
+    """Make ``folder`` now, so that an output that cannot be written fails before training, not after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{flag}: cannot make the folder {folder} ({err.strerror}); choose a writable one") from err
+
+
 def run(ns: argparse.Namespace) -> int:
     config = config_of(ns)
+    _writable("--out", ns.out)
+    if config.trace is not None:
+        _writable("--trace", Path(config.trace).parent)
     if ns.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if _under_torchrun():
@@ -220,10 +235,14 @@ def run(ns: argparse.Namespace) -> int:
         on_gpus = gpus >= config.world_size
         if ns.max_restarts and config.checkpoint_dir is None:
             raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
+        found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir and not config.resume else None
+        if found is not None:  # refused here, before any process starts (and is restarted to meet it again)
+            raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
         results = launch(
             run_rank,
             config.world_size,
             config,
+            logging.getLogger("stagewise").isEnabledFor(logging.DEBUG),
             device="auto" if on_gpus else "cpu",
             tee=False,
             max_restarts=ns.max_restarts,
