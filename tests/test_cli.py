@@ -196,8 +196,9 @@ class LaunchedError(Exception):
 
 
 def test_launcher_options_reach_launch_and_are_refused_under_torchrun(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # the default checkpoint and output folders: fresh ones
     seen: list[dict[str, object]] = []
 
     def launch(fn: object, nprocs: int, *args: object, **options: object) -> None:

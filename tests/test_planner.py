@@ -210,3 +210,9 @@ def test_a_plan_counts_sgds_momentum_and_train_takes_its_optimizer(
     assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--stages", "7", "--schedule", "gpipe"]) == 2
     err = capsys.readouterr().err
     assert "--plan sets the layout, but --stages 7 (the plan's: 1), --schedule gpipe (the plan's: 1f1b) asks " in err
+    # A flag given with its default value clashed too, but was taken for "not given": --optimizer adamw trained
+    # with the plan's SGD.
+    assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--optimizer", "adamw", "--stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--stages 2 (the plan's: 1), --optimizer adamw (the plan's: sgd) asks for another" in err
+    assert config_of(parser().parse_args(["train", "--plan", str(tmp_path / "sgd.json"), "--optimizer", "sgd"]))

@@ -22,6 +22,11 @@ from stagewise.planner import load_plan
 from stagewise.train import Optimizer, Summary, TrainConfig, fresh_run_refused, train
 
 DEFAULTS = TrainConfig()
+PLANNED = (
+    "model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size", "activation_checkpointing",
+    "seq_len", "optimizer",
+)  # fmt: skip
+"""The settings a --plan makes; their flags default to None (given: a value, even the default's)."""
 
 
 def add(commands: Any) -> None:
@@ -33,13 +38,14 @@ def add(commands: Any) -> None:
         "under torchrun each process is one rank, so several nodes are plain torchrun.",
     )
     d = DEFAULTS
-    p.add_argument("--model", default=d.model, choices=sorted(PRESETS), help="model preset")
-    p.add_argument("--stages", type=args.positive_int, default=d.stages, help="pipeline ranks")
-    p.add_argument("--virtual", type=args.positive_int, default=d.virtual, help="stages per rank (interleaved)")
-    p.add_argument("--dp", type=args.positive_int, default=d.dp, help="data-parallel replicas of the pipeline")
-    p.add_argument("--schedule", default=d.schedule, choices=get_args(ScheduleName), help="pipeline schedule")
-    p.add_argument("--microbatches", type=args.positive_int, default=d.microbatches, help="micro-batches per step")
-    p.add_argument("--batch-size", type=args.positive_int, default=d.batch_size, help="global batch (samples)")
+    # The layout's flags default to None, so that a --plan can tell a flag given (even as the default) from none.
+    p.add_argument("--model", choices=sorted(PRESETS), help=f"model preset (default {d.model})")
+    p.add_argument("--stages", type=args.positive_int, help=f"pipeline ranks (default {d.stages})")
+    p.add_argument("--virtual", type=args.positive_int, help=f"stages per rank, interleaved (default {d.virtual})")
+    p.add_argument("--dp", type=args.positive_int, help=f"data-parallel replicas of the pipeline (default {d.dp})")
+    p.add_argument("--schedule", choices=get_args(ScheduleName), help=f"pipeline schedule (default {d.schedule})")
+    p.add_argument("--microbatches", type=args.positive_int, help=f"micro-batches per step (default {d.microbatches})")
+    p.add_argument("--batch-size", type=args.positive_int, help=f"global batch, samples (default {d.batch_size})")
     p.add_argument(
         "--seq-len", type=args.positive_int, default=None, help=f"tokens per sequence (GPT; default {d.seq_len})"
     )
@@ -47,10 +53,12 @@ def add(commands: Any) -> None:
     p.add_argument("--stop-after", type=args.positive_int, default=None, help="end after this step (resume later)")
     p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine to lr/10)")
     p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps")
-    p.add_argument("--optimizer", default=d.optimizer, choices=get_args(Optimizer), help="optimizer")
+    p.add_argument("--optimizer", choices=get_args(Optimizer), help=f"optimizer (default {d.optimizer})")
     p.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip (0: off)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", default=None, help="recompute activations in backward"
+    )
     p.add_argument(
         "--weight-grad-pool", dest="weight_gradient_pool", type=args.pool, default="free", metavar="K",
         help="pool K backwards' weight gradients into one GEMM per weight, or 'free' (the default): as many as "
@@ -90,9 +98,7 @@ def add(commands: Any) -> None:
 def config_of(ns: argparse.Namespace) -> TrainConfig:
     """The TrainConfig that ``stagewise train``'s parsed arguments ask for; a ``--plan`` sets the layout."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(ns).items() if k in names}
-    if values.get("seq_len") is None:
-        values.pop("seq_len", None)
+    values = {k: v for k, v in vars(ns).items() if k in names and not (k in PLANNED and v is None)}
     if ns.checkpoint_every and ns.checkpoint_dir is None:
         raise ValueError(
             f"--checkpoint-every {ns.checkpoint_every} saves checkpoints, but --no-checkpoints writes none; "
@@ -111,7 +117,7 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
 
 
 def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The settings a plan makes; a flag set to something else than its default and the plan's is refused."""
+    """The settings a plan makes; a flag given with another value than the plan's is refused."""
     planned = {key: chosen[key] for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches")}
     planned["batch_size"] = chosen["batch_size"]
     planned["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
@@ -119,11 +125,10 @@ def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     for key in ("seq_len", "optimizer"):  # plans of other presets, and older plans, may leave these out
         if chosen.get(key):
             planned[key] = chosen[key]
-    defaults = TrainConfig()
     clashes = [
         f"--{key.replace('_', '-')} {given[key]} (the plan's: {value})"
         for key, value in planned.items()
-        if given.get(key) is not None and given[key] != getattr(defaults, key) and given[key] != value
+        if given.get(key) is not None and given[key] != value
     ]
     if clashes:
         raise ValueError(
