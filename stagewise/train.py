@@ -18,7 +18,7 @@ from stagewise import checkpoint
 from stagewise.comm import init_mesh
 from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
 from stagewise.models.text import text_splits
-from stagewise.partition import Partition, auto
+from stagewise.partition import Partition, auto, balance, layers_of
 from stagewise.pipeline import (
     Batch,
     DataParallel,
@@ -29,6 +29,7 @@ from stagewise.pipeline import (
     StageLoader,
     WeightGradientFusion,
 )
+from stagewise.pipeline.arguments import checked_schedule
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,8 @@ class TrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name, value in (("lr", self.lr), ("timeout", self.timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number, got {value}")
         pool = self.weight_gradient_pool
         try:
             WeightGradientFusion(pool=pool)  # the one place that knows which pools are valid
@@ -128,8 +129,8 @@ class TrainConfig:
                 f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "
                 "turn fusion on or leave the pool out"
             )
-        if self.clip < 0:
-            raise ValueError(f"clip must be >= 0 (0 turns it off), got {self.clip}")
+        if not 0 <= self.clip < math.inf:
+            raise ValueError(f"clip must be a finite number >= 0 (0 turns it off), got {self.clip}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be in 1..steps={self.steps}, got {self.stop_after}")
         if self.resume and self.checkpoint_dir is None:
@@ -230,6 +231,31 @@ def _evaluate(pipe: Pipeline, loader: StageLoader, config: TrainConfig) -> float
         losses.append(float(pipe.evaluate(batch.inputs, batch.targets)))
     pipe.train()
     return sum(losses) / len(losses)
+
+
+def preflight(config: TrainConfig) -> None:
+    """What :func:`train` would refuse in ``config`` before its first step, checked in this process alone: the
+    model's layers against the stages, the schedule, the data and the batches. A launcher calls it before it
+    starts any process, so a bad value is one message rather than a traceback from every rank."""
+    model_config = preset(config.model)
+    layers = layers_of(model_config.build(device="meta"))
+    n_stages = config.stages * config.virtual
+    part = (
+        Partition.from_bounds(config.partition)
+        if config.partition is not None
+        else balance([1.0] * len(layers), n_stages)
+    )
+    checked_schedule(
+        layers, part, config.schedule, config.microbatches, n_virtual=config.virtual,
+        loss_fn=cast(LossFn, model_config.loss), activation_checkpointing=config.activation_checkpointing,
+        loss_reduction="mean", fuse_weight_gradients=None, nonfinite=config.nonfinite, data_parallel=None,
+    )  # fmt: skip
+    train_data, val_data = _datasets(config, model_config)
+    for data, shuffle in ((train_data, True), (val_data, False)):
+        StageLoader(
+            data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
+            n_microbatches=config.microbatches, shuffle=shuffle,
+        )  # fmt: skip
 
 
 def build_pipeline(config: TrainConfig) -> Pipeline:

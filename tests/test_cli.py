@@ -239,6 +239,29 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--weight-grad-pool: expected a number >= 1 or 'free', got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stages", "1", "--virtual", "8"], "cannot split 7 layers into 8 non-empty stages; use n_stages <= 7"),
+        (["--schedule", "zero-bubble", "--activation-checkpointing"], "activation checkpointing and split backward"),
+        (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs n_virtual >= 2 stages per rank, got 1"),
+        (["--batch-size", "2", "--microbatches", "4"], "global_batch_size=2 is smaller than dp=1 x n_microbatches=4"),
+        (["--seq-len", "4096"], "seq_len=4096 exceeds gpt-tiny's longest sequence, 128"),
+        (["--data", "/nonexistent"], "no text file or folder at /nonexistent; pass an existing --data path"),
+        (["--timeout", "inf"], "timeout must be a positive, finite number, got inf"),
+        (["--clip", "nan"], "clip must be a finite number >= 0 (0 turns it off), got nan"),
+    ],
+)
+def test_train_refuses_what_its_ranks_would_before_starting_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # These reached the launched processes: exit 1 and a traceback from each rank, after the start-up.
+    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
+    assert main(["train", "--no-checkpoints", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_outputs_that_cannot_be_written_are_refused_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

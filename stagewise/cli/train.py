@@ -19,7 +19,7 @@ from stagewise.comm import Layout, launch
 from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline, ScheduleName
 from stagewise.planner import load_plan
-from stagewise.train import Optimizer, Summary, TrainConfig, fresh_run_refused, train
+from stagewise.train import Optimizer, Summary, TrainConfig, fresh_run_refused, preflight, train
 
 DEFAULTS = TrainConfig()
 PLANNED = (
@@ -240,6 +240,7 @@ def run(ns: argparse.Namespace) -> int:
         on_gpus = gpus >= config.world_size
         if ns.max_restarts and config.checkpoint_dir is None:
             raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
+        preflight(config)
         found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir and not config.resume else None
         if found is not None:  # refused here, before any process starts (and is restarted to meet it again)
             raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
