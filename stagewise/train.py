@@ -85,6 +85,8 @@ class TrainConfig:
     """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
     data: str | None = None
     """Text file or folder for GPT presets; by default the Python standard library's source."""
+    data_limit: int | None = None
+    """Bytes of the text read at most; None: all of ``data``, or 8 MiB of the standard library's source."""
     eval_every: int = 100
     """Evaluate on the validation split every this many steps (and at the end); 0 only at the end."""
     eval_batches: int = 4
@@ -111,6 +113,8 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.data_limit is not None and (isinstance(self.data_limit, bool) or not self.data_limit >= 1):
+            raise ValueError(f"data_limit must be a number of bytes >= 1 (or None: all), got {self.data_limit!r}")
         for name in ("warmup", "eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -189,7 +193,7 @@ def _datasets(config: TrainConfig, model: ModelConfig) -> tuple[Dataset[Any], Da
     if isinstance(model, GPTConfig):
         if config.seq_len > model.seq_len:
             raise ValueError(f"seq_len={config.seq_len} exceeds {config.model}'s longest sequence, {model.seq_len}")
-        splits = text_splits(config.data, config.seq_len)
+        splits = text_splits(config.data, config.seq_len, limit=config.data_limit)
         return splits.train, splits.val
     n = 64 * config.batch_size
     if isinstance(model, MLPConfig):

@@ -189,6 +189,7 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
     assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
     assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
     assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
+    assert config().data_limit is None and config("--data-limit", "64MiB").data_limit == 64 << 20
 
 
 class LaunchedError(Exception):
@@ -225,7 +226,7 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "resume needs checkpoint_dir" in capsys.readouterr().err
     assert main(["train", "--stop-after", "400"]) == 2
     assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err
-    for flag, value in (("--seq-len", "64"), ("--data", "books/")):
+    for flag, value in (("--seq-len", "64"), ("--data", "books/"), ("--data-limit", "1MiB")):
         assert main(["train", "--model", "mlp-tiny", flag, value]) == 2
         assert f"{flag} applies to the GPT presets, which read text; mlp-tiny trains on data of its own" in (
             capsys.readouterr().err

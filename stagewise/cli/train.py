@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -71,6 +72,10 @@ def add(commands: Any) -> None:
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data order")
     p.add_argument("--data", default=d.data, help="text file or folder (GPT; default: the Python stdlib source)")
+    p.add_argument(
+        "--data-limit", type=args.size, default=None, metavar="SIZE",
+        help="read at most this much of the text, e.g. 64MiB (default: all of --data, 8 MiB of the stdlib source)",
+    )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: at the end)")
     p.add_argument("--eval-batches", type=args.positive_int, default=d.eval_batches, help="validation batches")
     p.add_argument("--checkpoint-dir", default="stagewise-run/checkpoints", help="write checkpoints here")
@@ -107,8 +112,12 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
     if ns.plan is not None:
         values.update(_planned(load_plan(ns.plan.read_text()), values))
     model = values.get("model", TrainConfig.model)
-    if not isinstance(preset(model), GPTConfig) and (ns.seq_len is not None or ns.data is not None):
-        flag = "--seq-len" if ns.seq_len is not None else "--data"
+    text = (("--seq-len", ns.seq_len), ("--data", ns.data), ("--data-limit", ns.data_limit))
+    given = [flag for flag, value in text if value is not None]
+    if ns.data_limit is not None:
+        values["data_limit"] = math.ceil(ns.data_limit)
+    if not isinstance(preset(model), GPTConfig) and given:
+        flag = given[0]
         raise ValueError(
             f"{flag} applies to the GPT presets, which read text; {model} trains on data of its own: "
             f"leave {flag} out, or choose a gpt-* model"

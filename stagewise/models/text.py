@@ -16,7 +16,7 @@ from torch.utils.data import Dataset
 log = logging.getLogger(__name__)
 
 DEFAULT_LIMIT = 8 << 20
-"""Bytes read at most from a corpus by default: enough for the tiny presets, quick to read."""
+"""Bytes read at most from the default corpus (the standard library): enough for the tiny presets, quick to read."""
 
 
 def standard_library() -> Path:
@@ -41,21 +41,30 @@ def _files(root: Path, suffix: str | None) -> Iterator[Path]:
                 yield Path(folder) / name
 
 
-def read_corpus(path: str | Path | None = None, *, limit: int = DEFAULT_LIMIT) -> torch.Tensor:
+def read_corpus(path: str | Path | None = None, *, limit: int | None = None) -> torch.Tensor:
     """The bytes of ``path`` (a file, or the files under a folder in a fixed order) as a uint8 tensor.
 
     Without ``path``, the ``.py`` files of the standard library (not
     site-packages), in sorted order: text that needs no download and is the
-    same on every run on one machine. At most ``limit`` bytes are read.
+    same on every run on one machine. At most ``limit`` bytes are read (by
+    default all of ``path``, :data:`DEFAULT_LIMIT` of the standard library);
+    a corpus cut short is logged as a warning.
     """
     root = Path(path) if path is not None else standard_library()
+    bound: float = limit if limit is not None else DEFAULT_LIMIT if path is None else math.inf
+    if not bound >= 1:
+        raise ValueError(f"limit must be a number of bytes >= 1, got {limit}")
+    cut = False
     chunks: list[bytes] = []
     size = 0
     for file in _files(root, None if path is not None else ".py"):
-        if size >= limit:
+        if size >= bound:
+            cut = True
             break
         try:
-            data = file.read_bytes()[: limit - size]
+            whole = file.read_bytes()
+            data = whole if size + len(whole) <= bound else whole[: int(bound - size)]
+            cut = cut or len(data) < len(whole)
         except OSError as err:
             log.warning("skipping %s: %s", file, err)
             continue
@@ -64,6 +73,8 @@ def read_corpus(path: str | Path | None = None, *, limit: int = DEFAULT_LIMIT) -
     if size < 2:
         raise ValueError(f"the corpus at {root} holds {size} bytes of text; pass a file or folder with text in it")
     log.info("read %d bytes from %d files under %s", size, len(chunks), root)
+    if cut and path is not None:
+        log.warning("read the first %d bytes of %s, its limit; give a larger one to read more", size, root)
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
@@ -107,7 +118,7 @@ class TextSplits:
 
 
 def text_splits(
-    path: str | Path | None, seq_len: int, *, val_fraction: float = 0.05, limit: int = DEFAULT_LIMIT
+    path: str | Path | None, seq_len: int, *, val_fraction: float = 0.05, limit: int | None = None
 ) -> TextSplits:
     """The corpus at ``path`` (see :func:`read_corpus`), its last ``val_fraction`` held out for validation."""
     if not 0 < val_fraction < 1:

@@ -99,3 +99,18 @@ def test_cnn_widths_that_group_norm_cannot_split_are_refused() -> None:
     assert CNNConfig(widths=(4, 8, 16)).build(device="meta") is not None
     with pytest.raises(ValueError, match=r"CNNConfig.widths must be at most 8 or multiples of 8 \(group norm\), got "):
         CNNConfig(widths=(12, 24))
+
+
+def test_a_corpus_given_is_read_whole_and_a_limit_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Every corpus was cut to its first 8 MiB without a word, and its validation split taken from that part.
+    corpus = tmp_path / "big.txt"
+    corpus.write_bytes(bytes(range(256)) * (9 << 12))  # 9 MiB
+    assert read_corpus(corpus).numel() == 9 << 20
+    splits = text_splits(corpus, 64)
+    assert splits.val.data.numel() == (9 << 20) - int((9 << 20) * 0.95)  # the held-out end of the whole text
+    with caplog.at_level("WARNING", logger="stagewise.models.text"):
+        assert read_corpus(corpus, limit=1 << 20).numel() == 1 << 20
+    assert f"read the first 1048576 bytes of {corpus}, its limit; give a larger one to read more" in caplog.text
+    assert read_corpus().numel() == 8 << 20  # the standard library's source stays capped: no warning
+    with pytest.raises(ValueError, match=r"limit must be a number of bytes >= 1, got 0"):
+        read_corpus(corpus, limit=0)
