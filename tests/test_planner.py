@@ -216,3 +216,22 @@ def test_a_plan_counts_sgds_momentum_and_train_takes_its_optimizer(
     err = capsys.readouterr().err
     assert "--stages 2 (the plan's: 1), --optimizer adamw (the plan's: sgd) asks for another" in err
     assert config_of(parser().parse_args(["train", "--plan", str(tmp_path / "sgd.json"), "--optimizer", "sgd"]))
+
+
+def small_mlp() -> nn.Sequential:
+    """A model for ``plan --model test_planner:small_mlp``: it takes samples of 4 features."""
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_plan_of_a_factory_model_refuses_an_input_shape_it_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
+    # A shape the model could not take ended in a RuntimeError traceback from profiling, a bad one in int()'s.
+    argv = ["plan", "--model", "test_planner:small_mlp", "--gpus", "2", "--global-batch", "8"]
+    assert main([*argv, "--input-shape", "4"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--input-shape", "5"]) == 2
+    err = capsys.readouterr().err
+    assert "test_planner:small_mlp cannot take a micro-batch of shape [1, 5] (float32): " in err
+    assert err.rstrip().endswith("give --input-shape as the shape of one sample the model takes")
+    for shape in ("0", "-3", "4xy"):
+        assert main([*argv, "--input-shape", shape]) == 2
+        assert f"--input-shape {shape} is not one sample's shape: give sizes >= 1" in capsys.readouterr().err

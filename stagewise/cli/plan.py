@@ -72,13 +72,31 @@ def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
         raise ValueError(f"{module_name} has no callable {factory_name!r}")
     if ns.input_shape is None:
         raise ValueError("--model MODULE:FACTORY needs --input-shape, one sample's shape such as 128 or 3x32x32")
-    shape = [ns.micro_batch, *(int(x) for x in str(ns.input_shape).split("x"))]
+    try:
+        dims = [int(x) for x in str(ns.input_shape).split("x")]
+    except ValueError:
+        dims = []
+    if not dims or min(dims) < 1:
+        raise ValueError(
+            f"--input-shape {ns.input_shape} is not one sample's shape: give sizes >= 1 such as 128 or 3x32x32"
+        )
+    shape = [ns.micro_batch, *dims]
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"{ns.model} returned a {type(model).__name__}, not an nn.Module")
     dtype = torch.int64 if ns.input_dtype == "int64" else torch.float32
-    return model, torch.zeros(shape, dtype=dtype), shape[1] if dtype == torch.int64 and len(shape) == 2 else 1
+    sample = torch.zeros(shape, dtype=dtype)
+    try:  # on the meta device: shapes only, nothing computed
+        with torch.no_grad():
+            model(sample.to("meta"))
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"{ns.model} cannot take a micro-batch of shape {shape} ({ns.input_dtype}): {cause}; give --input-shape "
+            "as the shape of one sample the model takes"
+        ) from err
+    return model, sample, shape[1] if dtype == torch.int64 and len(shape) == 2 else 1
 
 
 def _cluster(ns: argparse.Namespace) -> Cluster:
