@@ -48,6 +48,10 @@ class Progress:
     """The index within that epoch of the next batch."""
     batch_size: int | None = None
     """The global batch size that ``batch`` counts in; None: not recorded (checkpoints from before it was)."""
+    seed: int | None = None
+    """The seed of the data order that ``epoch`` and ``batch`` point into; None: not recorded."""
+    sample_length: int | None = None
+    """Tokens per sample (a GPT's sequence length, else 1), which the data's samples depend on; None: not recorded."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -205,6 +209,8 @@ def save(
         state.update(_optimizer_state(pipe, optimizer))
         state[OPTIMIZER] = torch.tensor(list(type(optimizer).__name__.encode()), dtype=torch.uint8)
     position = [progress.step, progress.epoch, progress.batch, progress.batch_size or 0]
+    if progress.seed is not None and progress.sample_length is not None:
+        position += [progress.seed, progress.sample_length]
     state[PROGRESS] = torch.tensor(position, dtype=torch.int64)
     state[f"rng/{rank}"] = torch.get_rng_state()
     dcp_save(state, storage_writer=FileSystemWriter(partial))
@@ -337,7 +343,7 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
                 state[key] = _empty_like_stored(stored[key], key, torch.device("cpu") if scalar else device)
     if PROGRESS not in stored:
         raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
-    state[PROGRESS] = _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))  # 3 numbers, or 4
+    state[PROGRESS] = _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))
     rng = f"rng/{rank}"
     if rng in stored:
         state[rng] = _empty_like_stored(stored[rng], rng, torch.device("cpu"))
@@ -362,9 +368,10 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
             optimizer.state[param] = {k.rpartition("/")[2]: state[k] for k in keys}
     if rng in state:
         torch.set_rng_state(state[rng])
-    step, epoch, batch, *size = (int(v) for v in state[PROGRESS])
+    step, epoch, batch, *rest = (int(v) for v in state[PROGRESS])  # 3 numbers, 4 or 6 as recorded
     log.info("loaded %s: step %d", path, step)
-    return Progress(step, epoch, batch, size[0] if size and size[0] else None)
+    order = (rest[1], rest[2]) if len(rest) >= 3 else (None, None)
+    return Progress(step, epoch, batch, rest[0] if rest and rest[0] else None, *order)
 
 
 def export(path: str | Path, out: str | Path) -> Path:

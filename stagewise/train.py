@@ -328,12 +328,7 @@ def train(
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
             position = checkpoint.load(found, pipe, optimizer)
-            if position.batch_size not in (None, config.batch_size):
-                raise ValueError(
-                    f"the checkpoint {found} stopped at batch {position.batch} of epoch {position.epoch} in batches "
-                    f"of {position.batch_size} samples, but this run's batch size is {config.batch_size}; resume "
-                    f"with the same batch size (--batch-size {position.batch_size})"
-                )
+            _check_resumable(config, found, position)
     elif found is not None:
         raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
     if config.checkpoint_dir is not None:
@@ -370,12 +365,34 @@ def train(
         ):
             wraps = index + 1 == loader.steps_per_epoch
             progress = checkpoint.Progress(
-                done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size
-            )
+                done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size,
+                seed=config.seed, sample_length=config.tokens_per_sample,
+            )  # fmt: skip
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
         if done == end or (config.eval_every and done % config.eval_every == 0):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))
     return summary
+
+
+def _check_resumable(config: TrainConfig, found: Path, position: checkpoint.Progress) -> None:
+    """Refuse a resume whose data would not continue the checkpoint's, or that has nothing left to train."""
+    where = f"the checkpoint {found} stopped at batch {position.batch} of epoch {position.epoch}"
+    for theirs, ours, what in (
+        (position.batch_size, config.batch_size, "in batches of {} samples, but this run's batch size is {}; resume "
+         "with the same batch size (--batch-size {})"),
+        (position.seed, config.seed, "in the data order of seed {}, but this run's seed is {}; resume with the same "
+         "seed (--seed {})"),
+        (position.sample_length, config.tokens_per_sample, "in samples of {} tokens, but this run's are {}; resume "
+         "with the same sequence length (--seq-len {})"),
+    ):  # fmt: skip
+        if theirs is not None and theirs != ours:
+            raise ValueError(f"{where} {what.format(theirs, ours, theirs)}")
+    end = config.steps if config.stop_after is None else config.stop_after
+    if position.step >= end:
+        raise ValueError(
+            f"the checkpoint {found} is at step {position.step}, at or past this run's last step ({end}): there is "
+            "nothing left to train; give a later --stop-after or more --steps"
+        )
 
 
 def fresh_run_refused(directory: str | Path, found: Path) -> str:

@@ -14,7 +14,7 @@ from stagewise.cli import main, parser
 from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
-from stagewise.train import TrainConfig
+from stagewise.train import Summary, TrainConfig
 
 
 def test_partition_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -287,3 +287,13 @@ def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused_before_any_proc
     code = main(["train", "--checkpoint-dir", str(tmp_path), "--max-restarts", "1", "--out", str(tmp_path / "o")])
     assert code == 2
     assert "already holds checkpoints (the latest step-00000004), from an earlier run" in capsys.readouterr().err
+
+
+def test_the_summary_is_strict_json_when_a_step_was_skipped(tmp_path: Path) -> None:
+    # A skipped step's NaN loss was written as a bare NaN, which strict JSON readers refuse.
+    summary = Summary({"model": "gpt-tiny"}, [0, 7], 10, 0, losses=[2.5, float("nan"), 2.0], skipped=[2])
+    summary.step_seconds = [0.1, 0.1, 0.1]
+    cli_train.report(summary, tmp_path)
+    text = (tmp_path / "summary.json").read_text()
+    data = json.loads(text, parse_constant=lambda word: pytest.fail(f"not strict JSON: {word}"))
+    assert data["losses"] == [2.5, None, 2.0] and data["skipped"] == [2]

@@ -167,6 +167,15 @@ def bad_checkpoints(root: str) -> dict[str, str]:
         train(dataclasses.replace(config, batch_size=16, resume=True))
     except ValueError as err:
         messages["other batch size"] = str(err)
+    for case, change in {  # another data order, other samples, or nothing left: all were accepted
+        "other seed": {"seed": BASE.seed + 1, "stop_after": 2},
+        "other length": {"seq_len": 16, "stop_after": 2},
+        "nothing left": {},
+    }.items():
+        try:
+            train(dataclasses.replace(config, resume=True, **change))  # type: ignore[arg-type]
+        except ValueError as err:
+            messages[case] = str(err)
     (base / "good" / "step-00000009.partial").mkdir()  # a save cut off earlier
     kept = checkpoint.save(base / "good", pipe, None, checkpoint.Progress(0, 0, 0), keep=1)
     messages["cut-off save left"] = str((base / "good" / "step-00000009.partial").exists())
@@ -196,6 +205,17 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path: Path) -> None:
     assert used in messages["fresh run into a used folder"]
     assert messages["older save kept"] == "True"
     assert messages["cut-off save left"] == "False"
+    assert messages["other seed"].endswith(
+        f"in the data order of seed {BASE.seed}, but this run's seed is {BASE.seed + 1}; resume with the same seed "
+        f"(--seed {BASE.seed})"
+    )
+    assert messages["other length"].endswith(
+        "in samples of 32 tokens, but this run's are 16; resume with the same sequence length (--seq-len 32)"
+    )
+    assert messages["nothing left"].endswith(
+        "is at step 1, at or past this run's last step (1): there is nothing left to train; give a later "
+        "--stop-after or more --steps"
+    )
     assert messages["other batch size"].endswith(
         "stopped at batch 1 of epoch 0 in batches of 8 samples, but this run's batch size is 16; resume with the "
         "same batch size (--batch-size 8)"

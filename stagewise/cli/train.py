@@ -181,11 +181,22 @@ def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
             bar.close()
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: JSON has no words for them (a skipped step's loss)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def report(summary: Summary, out: Path) -> list[str]:
     """Write summary.json (and loss.png with matplotlib) into ``out``; the lines to show."""
     out.mkdir(parents=True, exist_ok=True)
     data = dataclasses.asdict(summary) | {"tokens_per_second": summary.throughput()}
-    (out / "summary.json").write_text(json.dumps(data, indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps(_strict(data), indent=1, allow_nan=False) + "\n")
     lines = []
     if summary.losses:
         lines.append(
