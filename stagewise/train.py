@@ -137,6 +137,11 @@ class TrainConfig:
             raise ValueError(f"clip must be a finite number >= 0 (0 turns it off), got {self.clip}")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be in 1..steps={self.steps}, got {self.stop_after}")
+        if self.stop_after is not None and self.checkpoint_dir is None:
+            raise ValueError(
+                f"stop_after={self.stop_after} ends the run to resume it later, but without checkpoint_dir nothing is "
+                "saved to resume from; give a checkpoint directory, or fewer steps"
+            )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs checkpoint_dir: the folder to resume from")
         preset(self.model)  # an unknown preset fails here, with the choices

@@ -226,6 +226,10 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "resume needs checkpoint_dir" in capsys.readouterr().err
     assert main(["train", "--stop-after", "400"]) == 2
     assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err
+    assert main(["train", "--stop-after", "4", "--no-checkpoints"]) == 2  # was accepted: nothing to resume from
+    assert "stop_after=4 ends the run to resume it later, but without checkpoint_dir nothing is saved" in (
+        capsys.readouterr().err
+    )
     for flag, value in (("--seq-len", "64"), ("--data", "books/"), ("--data-limit", "1MiB")):
         assert main(["train", "--model", "mlp-tiny", flag, value]) == 2
         assert f"{flag} applies to the GPT presets, which read text; mlp-tiny trains on data of its own" in (
