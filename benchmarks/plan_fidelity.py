@@ -9,7 +9,13 @@ largest total of tensors autograd saved for backward during its steps (the
 same measure as benchmarks/pipeline_bench.py). One JSON line per preset with
 predicted, measured and their ratio.
 
+With ``--device cuda`` (one GPU) the planner profiles on the GPU and
+evaluates a single stage (1F1B, 4 micro-batches); ``train`` runs it there with
+NCCL, and the row adds the planned memory of the stage (weights, gradients,
+optimizer state and activations) against ``torch.cuda.max_memory_allocated``.
+
     python benchmarks/plan_fidelity.py [--presets gpt-tiny,gpt-small] [--steps 8]
+    python benchmarks/plan_fidelity.py --device cuda [--presets gpt-small]
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from stagewise.train import TrainConfig, train
 from stagewise.workload import preset_model, workload_under_load
 
 SHAPES = {"gpt-tiny": (32, 128), "gpt-small": (8, 128)}
-"""Global batch and sequence length per preset."""
+"""Global batch and sequence length per preset on the CPU."""
+
+GPU_SHAPES = {"gpt-tiny": (64, 128), "gpt-small": (32, 1024)}
+"""Global batch and sequence length per preset on one GPU."""
 
 GLOO = Cluster(
     (Device(64 * 2**30, 1e11),) * 2,
@@ -63,27 +72,41 @@ def measured(config: TrainConfig) -> dict[str, Any]:
 
         pipe.step = tracked  # type: ignore[method-assign]
 
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     summary = train(config, on_start=instrument)
-    return {"steps": summary.step_seconds, "peak": max(peaks)}
+    allocated = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"steps": summary.step_seconds, "peak": max(peaks), "max_memory_allocated": allocated}
+
+
+def gpu_cluster() -> Cluster:
+    """This machine's one GPU (its speed is only relative here: every time is measured on it)."""
+    return Cluster((Device(float(torch.cuda.get_device_properties(0).total_memory), 1e14),))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default="gpt-tiny,gpt-small")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ns = parser.parse_args()
+    gpu = ns.device == "cuda"
     for name in ns.presets.split(","):
-        batch, seq = SHAPES[name]
-        m = 4
-        # Profiled by 2 processes at once, as the 2 training ranks share this machine's cores.
-        work = workload_under_load(preset_model, (name, batch // m, seq), concurrent=2, global_batch=batch)
-        option = evaluate(Option(2, 1, 1, m, "1f1b", False), work, GLOO)
+        batch, seq = (GPU_SHAPES if gpu else SHAPES)[name]
+        m, pp = 4, 1 if gpu else 2
+        # On the CPU, profiled by 2 processes at once, as the 2 training ranks share this machine's cores.
+        work = workload_under_load(
+            preset_model, (name, batch // m, seq), concurrent=pp, global_batch=batch, measure_on=ns.device
+        )
+        option = evaluate(Option(pp, 1, 1, m, "1f1b", False), work, gpu_cluster() if gpu else GLOO)
         assert option.partition is not None, option.rejected
         config = TrainConfig(
-            model=name, stages=2, microbatches=m, batch_size=batch, seq_len=seq, steps=ns.steps, warmup=1,
+            model=name, stages=pp, microbatches=m, batch_size=batch, seq_len=seq, steps=ns.steps, warmup=1,
             eval_every=0, partition=option.partition.bounds, clip=1.0,
         )  # fmt: skip
-        ranks = launch(measured, 2, config)
+        if gpu:
+            torch.cuda.empty_cache()
+        ranks = launch(measured, pp, config, device="auto" if gpu else "cpu")
         skip = 2  # the first steps warm up allocators and caches
         step = statistics.median(ranks[0]["steps"][skip:-TRACKED])
         row = {
@@ -95,9 +118,15 @@ def main() -> None:
             "measured_step_s": round(step, 4),
             "step_ratio": round(option.step_time / step, 3),
             "predicted_activation_mib": [round(a / 2**20, 2) for a in option.rank_activation],
-            "measured_activation_mib": [round(ranks[r]["peak"] / 2**20, 2) for r in range(2)],
-            "activation_ratio": [round(option.rank_activation[r] / ranks[r]["peak"], 3) for r in range(2)],
+            "measured_activation_mib": [round(ranks[r]["peak"] / 2**20, 2) for r in range(pp)],
+            "activation_ratio": [round(option.rank_activation[r] / ranks[r]["peak"], 3) for r in range(pp)],
         }
+        if gpu:
+            allocated = ranks[0]["max_memory_allocated"]
+            row["device"] = torch.cuda.get_device_name(0)
+            row["predicted_memory_mib"] = round(option.rank_memory[0] / 2**20, 1)
+            row["max_memory_allocated_mib"] = round(allocated / 2**20, 1)
+            row["memory_ratio"] = round(option.rank_memory[0] / allocated, 3)
         print(json.dumps(row), flush=True)
 
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU checks of issues [4/9] and [7/9] in one go, on a machine with one CUDA GPU; each writes its output to $OUT.
+#   OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
+set -u
+OUT=${OUT:-gpu-checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+run() {  # name, seconds, command...: one check, its output in $OUT/name.txt, a line saying how it ended
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "$name: exit $? after $((SECONDS - start)) s"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' >> "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+# [4/9]: each schedule on one rank (CUDA, NCCL, world size 1) against the unsplit model, and its peak memory.
+run gpu_check_tiny 150 "$PY" benchmarks/gpu_check.py
+run gpu_check_small 200 "$PY" benchmarks/gpu_check.py --preset gpt-small --seq-len 1024 --batch 10 --microbatches 4
+# [7/9]: the planner's profile on the GPU against a training run of the same single stage.
+run plan_fidelity 240 "$PY" benchmarks/plan_fidelity.py --device cuda --presets gpt-tiny,gpt-small
+# The main job on one GPU.
+run train 150 "$PY" -m stagewise train --stages 1 --steps 30 --eval-every 10 --out /tmp/stagewise-gpu-run
+cp /tmp/stagewise-gpu-run/summary.json "$OUT/train_summary.json"
+tail -n 4 "$OUT"/*.txt
