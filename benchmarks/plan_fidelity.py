@@ -76,6 +76,7 @@ def measured(config: TrainConfig) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     summary = train(config, on_start=instrument)
     allocated = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    torch.distributed.destroy_process_group()
     return {"steps": summary.step_seconds, "peak": max(peaks), "max_memory_allocated": allocated}
 
 

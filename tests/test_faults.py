@@ -19,6 +19,7 @@ from multiproc import run_ranks
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stagewise import checkpoint
+from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.pipeline import Pipeline
 from stagewise.train import TrainConfig, train
@@ -117,17 +118,20 @@ def test_a_restarted_job_ends_with_the_parameters_of_an_uninterrupted_one(tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def fresh(root: str) -> list[float]:
-    """Train two steps afresh into ``root``, or fail on finding another run's checkpoints there."""
+def fresh(root: str) -> tuple[list[float], bool]:
+    """Train two steps afresh into ``root`` as the CLI's ranks do, or fail on finding another run's checkpoints
+    there; the losses, and whether the process group is still open afterwards."""
     torch.set_num_threads(1)
-    return train(dataclasses.replace(BASE, stages=1, checkpoint_dir=root, steps=2, checkpoint_every=0)).losses
+    losses = run_rank(dataclasses.replace(BASE, stages=1, checkpoint_dir=root, steps=2, checkpoint_every=0)).losses
+    return losses, torch.distributed.is_initialized()
 
 
 def test_a_restarted_job_never_continues_another_jobs_checkpoints(tmp_path: Path) -> None:
     # The first attempt refused the folder of an earlier run; the agent counted that as a failure and restarted,
     # and the restart, which continues from the latest checkpoint, trained on from the other run's.
-    run_ranks(fresh, 1, str(tmp_path), timeout=150)
-    assert checkpoint.owner(tmp_path) is not None
+    losses, still_open = run_ranks(fresh, 1, str(tmp_path), timeout=150)[0]
+    assert len(losses) == 2 and checkpoint.owner(tmp_path) is not None
+    assert not still_open  # the job's groups are released (NCCL warned at exit of one left open)
     with pytest.raises(LaunchError, match=r"already holds checkpoints \(the latest step-00000002\), from an earlier"):
         run_ranks(fresh, 1, str(tmp_path), timeout=150, max_restarts=1)
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]
