@@ -446,17 +446,26 @@ def gated_steps(model: nn.Module | Pipeline, batches: list[tuple[torch.Tensor, t
         if isinstance(model, Pipeline):
             model.step(x, y)
         else:
-            mse(model(x), y).backward()
+            loss = mse(model(x), y)
+            if loss.requires_grad:  # a batch that uses no parameter has no backward
+                loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
     return grads
 
 
+def gated_and_ungated() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two steps on :func:`gated_batch`, then one that uses the gate's linear nowhere."""
+    x, y = gated_batch()
+    y = y.repeat(1, 3)
+    off = x.clone()
+    off[0, 0] = 0.0
+    return [(x, y), (x, y), (off, y)]
+
+
 def unused_by_the_synchronising_micro_batch(pp: int) -> dict[str, list[dict[str, Any]]]:
     torch.set_num_threads(1)
     mesh = init_mesh(pp, 2, timeout=30)
-    x, y = gated_batch()
-    y = y.repeat(1, 3)
     r = mesh.replica
     out = {}
     for schedule in ("gpipe", "1f1b", "zero-bubble"):
@@ -464,7 +473,8 @@ def unused_by_the_synchronising_micro_batch(pp: int) -> dict[str, list[dict[str,
             pipe = Pipeline(gate_last(pp), Partition.from_bounds(tuple(range(pp + 1))), schedule=schedule,
                             n_microbatches=3, loss_fn=mse, mesh=mesh, timeout=30,
                             data_parallel=DataParallel(find_unused_parameters=unused))  # fmt: skip
-            out[f"{schedule} {unused}"] = gated_steps(pipe, [(x[6 * r : 6 * r + 6], y[6 * r : 6 * r + 6])] * 2)
+            out[f"{schedule} {unused}"] = gated_steps(pipe, [(x[6 * r : 6 * r + 6], y[6 * r : 6 * r + 6])
+                                                             for x, y in gated_and_ungated()])  # fmt: skip
     dist.destroy_process_group()
     return out
 
@@ -474,8 +484,9 @@ def test_replicas_synchronise_when_the_last_micro_batch_uses_none_of_a_stages_pa
     # The gate's linear is used by replica 0's first micro-batch only. DDP all-reduces a stage's gradients in the
     # hooks of its last backward of the step, and here that backward reached none of the stage's parameters
     # (pp=1: nothing in it needed a gradient): no hook fired, and each replica kept its own gradients.
-    x, y = gated_batch()
-    want = gated_steps(gate_last(pp), [(x, y.repeat(1, 3))] * 2)
+    # In the last step no replica uses the linear: its gradient stays None, as under plain DDP (the root added to
+    # make DDP synchronise gave it zero, which weight decay and momentum would act on).
+    want = gated_steps(gate_last(pp), gated_and_ungated())
     for rank, results in run_ranks(unused_by_the_synchronising_micro_batch, 2 * pp, pp, timeout=180).items():
         for case, got in results.items():
             for step, (mine, reference) in enumerate(zip(got, want, strict=True)):
