@@ -235,3 +235,55 @@ def test_plan_of_a_factory_model_refuses_an_input_shape_it_cannot_take(capsys: p
     for shape in ("0", "-3", "4xy"):
         assert main([*argv, "--input-shape", shape]) == 2
         assert f"--input-shape {shape} is not one sample's shape: give sizes >= 1" in capsys.readouterr().err
+
+
+class _DataGate(nn.Module):
+    """Passes its input on only where the data says so: ``.item()`` or ``torch.nonzero`` cannot run on meta."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op == "item":
+            return x if x.abs().sum().item() >= 0 else -x
+        return x * (torch.nonzero(x).shape[0] >= 0)
+
+
+def gated_mlp() -> nn.Sequential:
+    """``plan --model test_planner:gated_mlp``: samples of 4 features, a forward that calls ``.item()``."""
+    return nn.Sequential(nn.Linear(4, 8), _DataGate("item"), nn.Linear(8, 2))
+
+
+def masked_mlp() -> nn.Sequential:
+    """``plan --model test_planner:masked_mlp``: samples of 4 features, a forward that calls ``torch.nonzero``."""
+    return nn.Sequential(nn.Linear(4, 8), _DataGate("nonzero"), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize(
+    ("factory", "meta_error"),
+    [
+        ("gated_mlp", "Tensor.item() cannot be called on meta tensors"),  # a RuntimeError
+        ("masked_mlp", "The register_meta function for torch.nonzero() raises unimplemented"),  # NotImplementedError
+    ],
+)
+def test_plan_of_a_model_that_reads_its_data_checks_the_input_shape_on_the_profiled_device(
+    capsys: pytest.CaptureFixture[str], factory: str, meta_error: str
+) -> None:
+    # The meta device cannot run .item() or nonzero: the shape check refused a right shape, which --profile plans.
+    argv = ["plan", "--model", f"test_planner:{factory}", "--gpus", "2", "--global-batch", "8", "--profile"]
+    assert main([*argv, "--input-shape", "4"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*argv, "--input-shape", "5"]) == 2  # a wrong one is still refused, with the CPU's reason
+    err = capsys.readouterr().err
+    assert f"{factory} cannot take a micro-batch of shape [1, 5] (float32): mat1 and mat2 shapes " in err
+    assert "cannot be multiplied (1x5 and 4x8) (layer '0' on cpu)" in err
+    assert err.rstrip().endswith("give --input-shape as the shape of one sample the model takes")
+    # Without --profile the plan runs on meta, where this model cannot: say so, not that the shape is wrong.
+    assert main(["plan", "--model", f"test_planner:{factory}", "--gpus", "2", "--input-shape", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"{factory} takes a micro-batch of shape [1, 4] (float32) on the CPU, but its layer '1' cannot run " in err
+    assert f"on the meta device: {meta_error}" in err and "; its forward reads the data" in err
+    assert err.rstrip().endswith("add --profile to plan the model on a real device (--device)")
+    assert main(["plan", "--model", f"test_planner:{factory}", "--gpus", "2", "--input-shape", "5"]) == 2
+    assert f"{factory} cannot take a micro-batch of shape [1, 5] (float32): mat1 and mat2" in capsys.readouterr().err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,14 @@ from stagewise.cli import args
 from stagewise.cluster import Cluster, Device, parse_devices
 from stagewise.comm import Payload
 from stagewise.models import PRESETS, GPTConfig
+from stagewise.partition import Layer, layers_of
+from stagewise.partition.profile import _materialise
 from stagewise.pipeline import render
 from stagewise.planner import Plan, plan
 from stagewise.units import format_bytes, parse_bytes
 from stagewise.workload import Workload, preset_model, workload, workload_under_load
+
+log = logging.getLogger(__name__)
 
 
 def add(commands: Any) -> None:
@@ -87,16 +93,75 @@ def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
         raise TypeError(f"{ns.model} returned a {type(model).__name__}, not an nn.Module")
     dtype = torch.int64 if ns.input_dtype == "int64" else torch.float32
     sample = torch.zeros(shape, dtype=dtype)
+    _check_input(ns, model, sample)
+    return model, sample, shape[1] if dtype == torch.int64 and len(shape) == 2 else 1
+
+
+_FAILURES = (RuntimeError, ValueError, TypeError, IndexError)
+"""What a forward raises on an input it cannot take (NotImplementedError, a meta op missing, is a RuntimeError)."""
+
+
+def _reason(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _check_input(ns: argparse.Namespace, model: nn.Module, sample: torch.Tensor) -> None:
+    """Refuse a micro-batch ``sample`` that the factory's ``model`` (on meta) cannot take, with the reason.
+
+    The meta device computes shapes only, so a forward that reads its data (``.item()``, ``if tensor``,
+    ``torch.nonzero``, boolean masks) fails there whatever the shape, with a RuntimeError like a wrong shape's:
+    only their messages differ. A meta failure is therefore decided on a real device. With --profile, the
+    model's layers run there one at a time, as profiling runs them. Without it the plan profiles on meta, which
+    this model cannot pass anyway; only the layer that failed runs on the CPU, to say which of the two it was.
+    """
+    taken = f"a micro-batch of shape {list(sample.shape)} ({ns.input_dtype})"
     try:  # on the meta device: shapes only, nothing computed
         with torch.no_grad():
             model(sample.to("meta"))
-    except (RuntimeError, ValueError, TypeError, IndexError) as err:
-        cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"{ns.model} cannot take a micro-batch of shape {shape} ({ns.input_dtype}): {cause}; give --input-shape "
-            "as the shape of one sample the model takes"
-        ) from err
-    return model, sample, shape[1] if dtype == torch.int64 and len(shape) == 2 else 1
+        return
+    except _FAILURES as err:
+        log.debug("%s on the meta device with %s: %s", ns.model, taken, _reason(err))
+    layers = layers_of(model)
+    if ns.profile:
+        _run_on(ns, layers, sample, torch.device(ns.device or "cpu"), taken)
+        return
+    current: Payload = sample.to("meta")
+    for index, layer in enumerate(layers):
+        try:
+            with torch.no_grad():
+                current = layer.module(current)
+        except _FAILURES as err:
+            _run_on(ns, layers[index : index + 1], current, torch.device("cpu"), taken)
+            raise ValueError(
+                f"{ns.model} takes {taken} on the CPU, but its layer {layer.name!r} cannot run on the meta device: "
+                f"{_reason(err)}; its forward reads the data, which the meta device has not: add --profile to plan "
+                "the model on a real device (--device)"
+            ) from err
+    # The model's forward failed on meta but its chain of layers, which the plan profiles, did not.
+
+
+def _run_on(ns: argparse.Namespace, layers: Sequence[Layer], inputs: Payload, device: torch.device, taken: str) -> None:
+    """Run ``layers`` one after another on ``device``, each a fresh copy as profiling makes it, from zeros shaped
+    like ``inputs``; refuse the input shape with the reason when one fails."""
+    current = _zeros(inputs, device)
+    for layer in layers:
+        work = _materialise(layer.module, device)
+        try:
+            with torch.no_grad():
+                current = work(current)
+        except _FAILURES as err:
+            raise ValueError(
+                f"{ns.model} cannot take {taken}: {_reason(err)} (layer {layer.name!r} on {device}); give "
+                "--input-shape as the shape of one sample the model takes"
+            ) from err
+        del work
+
+
+def _zeros(payload: Payload, device: torch.device) -> Payload:
+    """Zeros shaped like ``payload`` on ``device``: what a meta tensor stands for in profiling."""
+    if isinstance(payload, torch.Tensor):
+        return torch.zeros_like(payload, device=device)
+    return tuple(torch.zeros_like(t, device=device) for t in payload)
 
 
 def _cluster(ns: argparse.Namespace) -> Cluster:
