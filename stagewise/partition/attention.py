@@ -65,11 +65,10 @@ class FusedAttentionOnMeta(TorchFunctionMode):
         if not isinstance(query, torch.Tensor) or query.device.type != "meta":
             return func(*args, **kwargs)
         q, k, v = bound["query"], bound["key"], bound["value"]
-        if bound.get("enable_gqa", False) and k.dim() >= 3 and q.size(-3) != k.size(-3) and k.size(-3):
+        if bound.get("enable_gqa", False) and k.dim() >= 3 and v.dim() >= 3:
             # Grouped-query attention: each key/value head serves a group of query heads. Counted as the fused
             # kernel on key/value heads repeated to the query heads' number: the same FLOPs, no T x T matrix.
-            groups = q.size(-3) // k.size(-3)
-            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+            k, v = _repeat_heads(q, k, v)
         dropout = float(bound.get("dropout_p", 0.0))
         causal = bool(bound.get("is_causal", False))
         scale = bound.get("scale")
@@ -78,3 +77,27 @@ class FusedAttentionOnMeta(TorchFunctionMode):
             return aten._scaled_dot_product_flash_attention(q, k, v, dropout, causal, scale=scale)[0]
         needs_grad = q.requires_grad or k.requires_grad or v.requires_grad
         return aten._scaled_dot_product_efficient_attention(q, k, v, mask, needs_grad, dropout, causal, scale=scale)[0]
+
+
+def _repeat_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values repeated to the query's heads (dimension -3), each by its own factor, as torch does.
+
+    Raises:
+        ValueError: the query's heads are not a multiple of the key's or the value's, which
+            ``scaled_dot_product_attention(..., enable_gqa=True)`` refuses on every device.
+    """
+    heads, key_heads, value_heads = q.size(-3), k.size(-3), v.size(-3)
+    if not key_heads or not value_heads:  # nothing to attend to: torch's kernels take it as it is
+        return k, v
+    if heads % key_heads or heads % value_heads:
+        raise ValueError(
+            f"grouped-query attention (enable_gqa=True) needs the query's heads to be a multiple of the key's and "
+            f"the value's, got {heads} query heads, {key_heads} key heads and {value_heads} value heads (query "
+            f"{list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}); give keys and values a number of heads "
+            f"that divides {heads}"
+        )
+    if key_heads != heads:
+        k = k.repeat_interleave(heads // key_heads, dim=-3)
+    if value_heads != heads:
+        v = v.repeat_interleave(heads // value_heads, dim=-3)
+    return k, v

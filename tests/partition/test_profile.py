@@ -275,3 +275,42 @@ def test_grouped_query_attention_on_meta_counts_a_fused_kernel() -> None:
     (meta,) = profile(model, x.to("meta"))
     assert meta.flops == real.flops and meta.forward_flops == real.forward_flops
     assert real.saved_bytes <= meta.saved_bytes < 1.5 * real.saved_bytes, (meta.saved_bytes, real.saved_bytes)
+
+
+class HeadsAttention(nn.Module):
+    """Causal grouped-query attention of ``heads`` query heads over ``key_heads`` and ``value_heads``."""
+
+    def __init__(self, heads: int, key_heads: int, value_heads: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.heads = (heads, key_heads, value_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self.proj(x).unsqueeze(1).repeat(1, n, 1, 1) for n in self.heads)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum(1)
+
+
+def _heads_attention(device: str, *heads: int) -> nn.Sequential:
+    with torch.device(device):
+        return nn.Sequential(HeadsAttention(*heads))
+
+
+@pytest.mark.parametrize(("heads", "key_heads", "value_heads"), [(8, 3, 3), (2, 8, 8), (8, 2, 3)])
+def test_grouped_query_attention_on_meta_refuses_the_heads_real_attention_refuses(
+    heads: int, key_heads: int, value_heads: int
+) -> None:
+    # 8 query heads over 3 key/value heads were counted on meta as 8 // 3 = 2 groups; torch refuses them.
+    x = torch.randn(2, 16, 8)
+    with pytest.raises(RuntimeError, match=r"Number of heads in key and value must divide the number of heads in"):
+        profile(_heads_attention("cpu", heads, key_heads, value_heads), x)
+    got = rf"got {heads} query heads, {key_heads} key heads and {value_heads} value heads \(query \[2, {heads}, 16, 8\]"
+    with pytest.raises(ValueError, match=rf"query's heads to be a multiple of the key's and the value's, {got}"):
+        profile(_heads_attention("meta", heads, key_heads, value_heads), x.to("meta"))
+
+
+def test_grouped_query_attention_on_meta_repeats_keys_and_values_each_to_the_query_heads() -> None:
+    # Keys and values may have different numbers of heads, each a divisor of the query's: torch repeats each by
+    # its own factor, where meta repeated both by the keys' (values of 16 heads for 8 query heads).
+    x = torch.randn(2, 16, 8)
+    (real,), (meta,) = profile(_heads_attention("cpu", 8, 2, 4), x), profile(_heads_attention("meta", 8, 2, 4), x)
+    assert meta.forward_flops == real.forward_flops and meta.output_bytes == real.output_bytes
