@@ -41,6 +41,29 @@ def _files(root: Path, suffix: str | None) -> Iterator[Path]:
                 yield Path(folder) / name
 
 
+_CHUNK = 1 << 20
+"""Bytes asked for at a time beyond a file's recorded size (a file that grew, a pipe)."""
+
+
+def _head(file: Path, limit: float) -> tuple[bytes, bool]:
+    """The first ``limit`` bytes of ``file`` (all of it if ``limit`` is infinite), and whether it holds more.
+
+    Nothing past them is read, but one byte to tell whether there is more. ``read(n)`` allocates ``n`` bytes
+    before it reads, so it is asked for no more than the file's size, then for small chunks.
+    """
+    with file.open("rb") as f:
+        if limit == math.inf:
+            return f.read(), False
+        want = int(limit)
+        parts = [f.read(min(want, os.fstat(f.fileno()).st_size))]
+        got = len(parts[0])
+        while got < want and (part := f.read(min(want - got, _CHUNK))):
+            parts.append(part)
+            got += len(part)
+        more = bool(f.read(1))
+    return parts[0] if len(parts) == 1 else b"".join(parts), more
+
+
 def read_corpus(path: str | Path | None = None, *, limit: int | None = None) -> torch.Tensor:
     """The bytes of ``path`` (a file, or the files under a folder in a fixed order) as a uint8 tensor.
 
@@ -58,18 +81,17 @@ def read_corpus(path: str | Path | None = None, *, limit: int | None = None) -> 
     chunks: list[bytes] = []
     size = 0
     for file in _files(root, None if path is not None else ".py"):
-        if size >= bound:
-            cut = True
-            break
         try:
-            whole = file.read_bytes()
-            data = whole if size + len(whole) <= bound else whole[: int(bound - size)]
-            cut = cut or len(data) < len(whole)
+            data, more = _head(file, bound - size)
         except OSError as err:
             log.warning("skipping %s: %s", file, err)
             continue
-        chunks.append(data)
-        size += len(data)
+        if data:
+            chunks.append(data)
+            size += len(data)
+        if more:  # the limit is reached, and this file holds more text
+            cut = True
+            break
     if size < 2:
         raise ValueError(f"the corpus at {root} holds {size} bytes of text; pass a file or folder with text in it")
     log.info("read %d bytes from %d files under %s", size, len(chunks), root)

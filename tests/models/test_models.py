@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +115,50 @@ def test_a_corpus_given_is_read_whole_and_a_limit_says_so(tmp_path: Path, caplog
     assert read_corpus().numel() == 8 << 20  # the standard library's source stays capped: no warning
     with pytest.raises(ValueError, match=r"limit must be a number of bytes >= 1, got 0"):
         read_corpus(corpus, limit=0)
+
+
+class _CountingFile:
+    """A file opened for reading whose reads add up, in ``read``, the bytes they returned."""
+
+    def __init__(self, file: Any, read: list[int]) -> None:
+        self.file, self.counts = file, read
+
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.file.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.file, name)
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self.file.read(n)
+        self.counts.append(len(data))
+        return data
+
+
+def test_a_limited_corpus_reads_no_more_of_its_files_than_the_limit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The whole corpus was read and then cut: 1 KiB of a 100 GB file read all 100 GB first.
+    (tmp_path / "a.txt").write_bytes(b"a" * 3000)
+    (tmp_path / "b.txt").write_bytes(b"b" * 5000)
+    read: list[int] = []
+    opened = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: _CountingFile(opened(self, *a, **k), read))
+    with caplog.at_level("WARNING", logger="stagewise.models.text"):
+        assert read_corpus(tmp_path / "a.txt", limit=1024).tolist() == [ord("a")] * 1024
+        assert sum(read) == 1025  # the limit, and one byte to know there was more
+        assert f"read the first 1024 bytes of {tmp_path / 'a.txt'}, its limit" in caplog.text
+        read.clear()
+        assert bytes(read_corpus(tmp_path, limit=4000).tolist()) == b"a" * 3000 + b"b" * 1000
+        assert sum(read) == 4001 and f"read the first 4000 bytes of {tmp_path}, its limit" in caplog.text
+        caplog.clear()
+        read.clear()
+        assert read_corpus(tmp_path, limit=3000).numel() == 3000  # then only one byte of the next file
+        assert sum(read) == 3001 and "read the first 3000 bytes" in caplog.text
+        caplog.clear()
+        assert read_corpus(tmp_path, limit=8000).numel() == 8000  # all of it: nothing cut, nothing to say
+        assert read_corpus(tmp_path / "a.txt", limit=3000).numel() == 3000
+    assert caplog.text == ""
