@@ -160,7 +160,8 @@ class Executor:
         *,
         training: bool = True,
     ) -> StepResult:
-        """Run ``actions`` in order; ``training=False`` runs forwards only and keeps the outputs."""
+        """Run ``actions`` in order; ``training=False`` runs forwards only and keeps the last stage's outputs, or
+        with ``loss_fn`` and ``targets`` only their weighted loss."""
         run = _Run(self, actions, inputs, targets, loss_fn=loss_fn, training=training)
         for i, action in enumerate(actions):
             run.act(i, action)
@@ -306,11 +307,13 @@ class _Run:
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(failure(x.stages[s], mb, data, err)) from err
         slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor, joint=joint)  # type: ignore[arg-type]
-        if s == x.last:
-            if self.training:
-                self._loss(slot, mb)
-            else:
-                self.outputs.append(out)  # type: ignore[arg-type]
+        # A forward-only run with a loss (evaluation) takes each micro-batch's loss at once and keeps no output:
+        # a language model's logits are its largest tensors, and one micro-batch's are held at a time.
+        scored = s == x.last and (self.training or self.loss_fn is not None)
+        if scored:
+            self._loss(slot, mb)
+        elif s == x.last:
+            self.outputs.append(out)  # type: ignore[arg-type]
         elif x.schedule.rank_of(s + 1) == x.position:
             self.handoff[(s + 1, mb)] = handed_over(out)  # type: ignore[arg-type]
         else:
@@ -318,7 +321,7 @@ class _Run:
         if self.training:
             self.slots[(s, mb)] = slot
         else:  # a received buffer the output is a view of stays with the output (kept, or still being sent)
-            kept = _storages(out)  # type: ignore[arg-type]
+            kept = set() if scored else _storages(out)  # type: ignore[arg-type]
             for payload in received:
                 if not _storages(payload) & kept:
                     x.transport.release(payload)

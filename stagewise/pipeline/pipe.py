@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -16,7 +17,7 @@ from stagewise.partition import Partition, layers_of, shared_parameters
 from stagewise.pipeline.actions import Action, Kind, Schedule
 from stagewise.pipeline.arguments import checked_schedule
 from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.executor import Executor, LossFn, StepResult, scalar_loss
+from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel, Replicas
 from stagewise.pipeline.loss_sharing import share_count, share_loss
@@ -357,12 +358,8 @@ class Pipeline:
             tgs = split(self._to_device(targets), count, what="targets", reduction=self.loss_reduction)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
-        result = self._forward(ins, count)
-        loss = None
-        if tgs is not None:
-            with torch.no_grad():  # micro-batch by micro-batch, weighted as step() weights them
-                parts = zip(result.outputs, tgs.parts, tgs.weights, strict=True)
-                loss = torch.stack([w * scalar_loss(self.loss_fn, out, t) for out, t, w in parts]).sum()
+        # Each micro-batch's loss is taken as its output arrives, weighted as step() weights them.
+        loss = self._forward(ins, count, tgs).loss if tgs is not None else self._forward(ins, count).loss
         samples = sum(tgs.sizes) if tgs is not None else 0
         return self._share_loss(loss, samples, training=False)  # no gradients: replicas may differ in size
 
@@ -420,16 +417,17 @@ class Pipeline:
         count = share_count(count, mesh=self.mesh, first=self.mesh.layout.rank(0, self.mesh.replica))
         return (None if payload is None else split(payload, count, what="inputs")), count
 
-    def _forward(self, ins: Microbatches | None, count: int) -> StepResult:
-        """``count`` micro-batches' forwards, without gradients; each one's outputs on the last stage's rank."""
+    def _forward(self, ins: Microbatches | None, count: int, targets: Microbatches | None = None) -> StepResult:
+        """``count`` micro-batches' forwards, without gradients; on the last stage's rank, each one's outputs, or
+        with ``targets`` their weighted loss."""
         forward = [Action(s, Kind.F, mb) for mb in range(count) for s in sorted(self.stages)]
         with torch.no_grad():
-            result = self.executor.run(forward, ins, None, None, training=False)
+            result = self.executor.run(forward, ins, targets, self.loss_fn if targets else None, training=False)
         self._record(result)
         return result
 
     def _record(self, result: StepResult) -> None:
-        self.last_result = result
+        self.last_result = dataclasses.replace(result, outputs=[])  # the caller's: kept here, they would stay
         if self.trace is not None:
             path = self.trace.with_name(f"{self.trace.stem}.rank{self.mesh.rank}{self.trace.suffix or '.json'}")
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -76,16 +77,34 @@ class Half(torch.nn.Module):
         return x[:, :2]
 
 
-def views_of_inputs() -> list[torch.Tensor] | None:
+SCORED: list[weakref.ref[torch.Tensor]] = []
+"""The outputs :func:`counting_mse` has scored, while they live."""
+
+
+def counting_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The mean squared error; first notes in ``HELD`` how many outputs it scored before are still alive."""
+    HELD.append(sum(r() is not None for r in SCORED))
+    SCORED.append(weakref.ref(out))
+    return mse(out, target)
+
+
+HELD: list[int] = []
+
+
+def views_of_inputs() -> tuple[list[torch.Tensor], list[int]] | None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half())
-    pipe = Pipeline(model, Partition.from_bounds((0, 1, 2, 3)), n_microbatches=4, loss_fn=mse, mesh=init_mesh(3))
+    pipe = Pipeline(model, Partition.from_bounds((0, 1, 2, 3)), n_microbatches=4, loss_fn=counting_mse,
+                    mesh=init_mesh(3))  # fmt: skip
     first = pipe.predict(torch.arange(32.0).reshape(8, 4))
     kept = None if first is None else first.clone()
     second = pipe.predict(torch.arange(32.0).reshape(8, 4) + 1)
+    x = torch.arange(32.0).reshape(8, 4)
+    loss = pipe.evaluate(x, x[:, :2] / 10)
+    pipe.evaluate(x, x[:, :2] / 10)
     dist.destroy_process_group()
-    return None if first is None or second is None else [kept, first, second]
+    return None if first is None or second is None else ([kept, first, second, loss], HELD)
 
 
 def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
@@ -94,11 +113,16 @@ def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half())
     x = torch.arange(32.0).reshape(8, 4)
-    kept, first, second = run_ranks(views_of_inputs, 3)[2]  # type: ignore[misc]
+    (kept, first, second, loss), held = run_ranks(views_of_inputs, 3)[2]  # type: ignore[misc]
     with torch.no_grad():  # micro-batched GEMMs round differently from the whole batch's (up to 2e-6 here)
         torch.testing.assert_close(first, model(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(first, kept, atol=0, rtol=0)
         torch.testing.assert_close(second, model(x + 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(loss, mse(model(x), x[:, :2] / 10), atol=1e-6, rtol=1e-5)
+    # evaluate() scores each micro-batch's output as it arrives and keeps none: it held all of them until the
+    # last was scored, and the pipeline held the last evaluation's while the next ran (a language model's logits,
+    # 2 x n_microbatches of them, made its peak memory).
+    assert held == [0] * 8  # two evaluations of 4 micro-batches
 
 
 class _SlowBackward(torch.autograd.Function):
