@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from stagewise import checkpoint
 from stagewise.comm import init_mesh
+from stagewise.comm.launch import job_token, restarts, shared_run_id
 from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
 from stagewise.models.text import text_splits
 from stagewise.partition import Partition, auto, balance, layers_of
@@ -98,7 +99,8 @@ class TrainConfig:
     resume: bool = False
     """Continue from the latest complete checkpoint in ``checkpoint_dir``. Without it a run refuses a
     ``checkpoint_dir`` that already holds checkpoints (an earlier run's), except when torchrun's agent has
-    restarted it after a failure: a restart always continues from the latest checkpoint."""
+    restarted it after a failure: a restart continues from the latest checkpoint of its own job (see
+    :func:`train`)."""
     trace: str | None = None
     """Write a Chrome/Perfetto trace of this run's last step here (one file per rank)."""
     timeout: float = 300.0
@@ -311,6 +313,13 @@ def train(
     ``on_start(pipe)`` runs once the pipeline is built; ``on_step(step, loss,
     seconds)`` after every step. Returns this rank's :class:`Summary` (the
     losses are the global batch's on every rank).
+
+    A restart by torchrun's agent (TORCHELASTIC_RESTART_COUNT > 0) continues
+    from the latest checkpoint when the job that claimed ``checkpoint_dir``
+    (:func:`checkpoint.claim`) is this one: the same job id, and where that id
+    names other jobs too (:func:`shared_run_id`) the same token from the
+    agent's store (:func:`job_token`). Otherwise it refuses checkpoints there
+    as the first attempt did.
     """
     torch.manual_seed(config.seed)
     pipe = build_pipeline(config)
@@ -324,20 +333,26 @@ def train(
     optimizer = _optimizer(config, pipe)
     position = checkpoint.Progress(0, 0, 0)
     found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    # A restart continues its own job's checkpoints, never another's (torchrun without --rdzv-id names every job
-    # "none", and then it cannot tell).
-    own = config.checkpoint_dir is not None and (not job or checkpoint.owner(config.checkpoint_dir) == job)
-    if config.resume or (_restarted() and own):
+    job, restarted, shared = os.environ.get("TORCHELASTIC_RUN_ID", ""), restarts() > 0, shared_run_id()
+    token: str | None = None
+    own: bool | None = False  # a restart continues its own job's checkpoints, never another's (see _owns)
+    if restarted and config.checkpoint_dir is not None:
+        token = job_token(new=False, timeout=config.timeout) if shared else None
+        own = _owns(config.checkpoint_dir, job, token)
+    if config.resume or own:
         if found is None:
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
             position = checkpoint.load(found, pipe, optimizer)
             _check_resumable(config, found, position)
     elif found is not None:
-        raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
+        raise ValueError(
+            fresh_run_refused(str(config.checkpoint_dir), found) if own is False else _cannot_tell(found, job)
+        )
     if config.checkpoint_dir is not None:
-        checkpoint.claim(config.checkpoint_dir, job, pipe.device)
+        if shared and not restarted and pipe.mesh.rank == 0:  # the first attempt's rank 0 records the job's token
+            token = job_token(new=True, timeout=config.timeout)
+        checkpoint.claim(config.checkpoint_dir, job, pipe.device, token)
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
@@ -409,6 +424,25 @@ def fresh_run_refused(directory: str | Path, found: Path) -> str:
     )
 
 
-def _restarted() -> bool:
-    """Whether torchrun's elastic agent has restarted this job after a failure."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+def _owns(directory: str, job: str, token: str | None) -> bool | None:
+    """Whether a restart of job ``job`` may continue the checkpoints in ``directory``: the job that claimed it
+    last (:func:`checkpoint.claim`) had this id and, where the id names other jobs too (:func:`shared_run_id`),
+    this job's ``token`` (:func:`job_token`); the id alone cannot tell such a job from an earlier one that left
+    its checkpoints there. None: such an id, and no token here or in the folder, so it cannot tell."""
+    if not job or checkpoint.owner(directory) != job:
+        return False
+    if not shared_run_id():
+        return True
+    theirs = checkpoint.owner_token(directory)
+    return None if token is None or theirs is None else theirs == token
+
+
+def _cannot_tell(found: Path, job: str) -> str:
+    """Why a restart whose job id names other jobs too does not continue the checkpoint ``found``."""
+    return (
+        f"this restart cannot tell whether the checkpoints in {found.parent} (the latest {found.name}) are this "
+        f"job's: its id {job!r} names other jobs too (torchrun without --rdzv-id calls every job 'none'), and "
+        "the store of torchrun's agent that would tell them apart holds no token of this job (or the folder "
+        "recorded none); to continue them relaunch with resume (stagewise train --resume), or give each job a "
+        "unique id (torchrun --rdzv-id, e.g. the scheduler's job id; launch(run_id=...))"
+    )

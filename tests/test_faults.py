@@ -21,8 +21,9 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from stagewise import checkpoint
 from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
+from stagewise.comm.launch import SHARED_RUN_ID, _children
 from stagewise.pipeline import Pipeline
-from stagewise.train import TrainConfig, train
+from stagewise.train import TrainConfig, _cannot_tell, _owns, train
 
 BASE = TrainConfig(
     model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
@@ -90,9 +91,11 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: P
 
 
 def interrupted(root: str) -> list[float]:
-    """Train afresh; in the first attempt rank 1 dies after step 5 (the last checkpoint is step 4's).
+    """Train afresh under the job id "none", which every job has when started so; in the first attempt rank 1 dies
+    after step 5 (the last checkpoint is step 4's).
 
-    The agent's restart resumes by itself: a restarted run continues from the latest checkpoint.
+    The agent's restart resumes by itself: a restarted run continues from the latest checkpoint of its job (the id
+    names other jobs too, so the token in the agent's store tells).
     """
     torch.set_num_threads(1)
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
@@ -111,7 +114,7 @@ def straight(root: str) -> list[float]:
 
 def test_a_restarted_job_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path: Path) -> None:
     whole = run_ranks(straight, 2, str(tmp_path / "whole"), timeout=150)[0]
-    resumed = run_ranks(interrupted, 2, str(tmp_path / "restarted"), timeout=200, max_restarts=1)[0]
+    resumed = run_ranks(interrupted, 2, str(tmp_path / "restarted"), timeout=200, max_restarts=1, run_id="none")[0]
     assert resumed == whole[4:]  # the restart continued from the checkpoint of step 4, bit for bit
     a = torch.load(checkpoint.export(tmp_path / "whole" / "step-00000006", tmp_path / "a.pt"), weights_only=True)
     b = torch.load(checkpoint.export(tmp_path / "restarted" / "step-00000006", tmp_path / "b.pt"), weights_only=True)
@@ -128,10 +131,42 @@ def fresh(root: str) -> tuple[list[float], bool]:
 
 def test_a_restarted_job_never_continues_another_jobs_checkpoints(tmp_path: Path) -> None:
     # The first attempt refused the folder of an earlier run; the agent counted that as a failure and restarted,
-    # and the restart, which continues from the latest checkpoint, trained on from the other run's.
-    losses, still_open = run_ranks(fresh, 1, str(tmp_path), timeout=150)[0]
-    assert len(losses) == 2 and checkpoint.owner(tmp_path) is not None
+    # and the restart, which continues from the latest checkpoint, trained on from the other run's. Both jobs have
+    # the id "none" (as every job torchrun starts on several nodes without --rdzv-id): the restart took the
+    # folder, which the earlier job had claimed under that id, for its own.
+    losses, still_open = run_ranks(fresh, 1, str(tmp_path), timeout=150, run_id="none")[0]
+    assert len(losses) == 2 and checkpoint.owner(tmp_path) == "none" and checkpoint.owner_token(tmp_path)
     assert not still_open  # the job's groups are released (NCCL warned at exit of one left open)
     with pytest.raises(LaunchError, match=r"already holds checkpoints \(the latest step-00000002\), from an earlier"):
-        run_ranks(fresh, 1, str(tmp_path), timeout=150, max_restarts=1)
+        run_ranks(fresh, 1, str(tmp_path), timeout=150, max_restarts=1, run_id="none")
     assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]
+
+
+def test_a_restart_trusts_a_unique_job_id_and_a_shared_one_only_with_its_jobs_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restart of a job whose id every job had ("none", or launch's id of several nodes) continued another job's
+    # checkpoints; an empty id counted as the folder's owner.
+    def owns(job: str, claimed: str, token: str | None, theirs: str | None) -> bool | None:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+        checkpoint.claim(tmp_path, claimed, torch.device("cpu"), theirs)
+        return _owns(str(tmp_path), job, token)
+
+    monkeypatch.delenv(SHARED_RUN_ID, raising=False)
+    assert owns("a1b2", "a1b2", None, None) is True  # a unique id is trusted
+    assert owns("a1b2", "c3d4", None, None) is False
+    assert owns("", "", None, None) is False
+    assert owns("none", "none", "t1", "t1") is True
+    assert owns("none", "none", "t2", "t1") is False  # an earlier job under the same id
+    assert owns("none", "none", None, "t1") is None  # no agent store: it cannot tell
+    assert owns("none", "none", "t1", None) is None  # the folder recorded no token
+    shared = _children({"nnodes": 2, "rdzv_endpoint": "node0:29500"})[SHARED_RUN_ID]
+    assert shared == "stagewise-node0:29500" and SHARED_RUN_ID not in _children({"nnodes": 2, "run_id": "j7"})
+    monkeypatch.setenv(SHARED_RUN_ID, shared)
+    assert owns(shared, shared, "t2", "t1") is False and owns(shared, shared, "t1", "t1") is True
+    assert owns(shared, shared, None, "t1") is None
+    found = tmp_path / "step-00000004"
+    assert _cannot_tell(found, "none").endswith(
+        "relaunch with resume (stagewise train --resume), or give each job a unique id (torchrun --rdzv-id, e.g. "
+        "the scheduler's job id; launch(run_id=...))"
+    )
