@@ -319,7 +319,9 @@ def train(
     (:func:`checkpoint.claim`) is this one: the same job id, and where that id
     names other jobs too (:func:`shared_run_id`) the same token from the
     agent's store (:func:`job_token`). Otherwise it refuses checkpoints there
-    as the first attempt did.
+    as the first attempt did. A restart that finds its job's checkpoint at
+    the last step trains nothing: it evaluates, and returns a Summary
+    without steps.
     """
     torch.manual_seed(config.seed)
     pipe = build_pipeline(config)
@@ -344,7 +346,7 @@ def train(
             log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
         else:
             position = checkpoint.load(found, pipe, optimizer)
-            _check_resumable(config, found, position)
+            _check_resumable(config, found, position, restart=own is True)
     elif found is not None:
         raise ValueError(
             fresh_run_refused(str(config.checkpoint_dir), found) if own is False else _cannot_tell(found, job)
@@ -391,11 +393,16 @@ def train(
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
         if done == end or (config.eval_every and done % config.eval_every == 0):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))
+    if position.step >= end:  # a restart after this job's last save (_check_resumable): only the evaluation is left
+        summary.checkpoint = str(found)
+        summary.evals.append((position.step, _evaluate(pipe, val_loader, config)))
     return summary
 
 
-def _check_resumable(config: TrainConfig, found: Path, position: checkpoint.Progress) -> None:
-    """Refuse a resume whose data would not continue the checkpoint's, or that has nothing left to train."""
+def _check_resumable(config: TrainConfig, found: Path, position: checkpoint.Progress, *, restart: bool) -> None:
+    """Refuse a resume whose data would not continue the checkpoint's, or that has nothing left to train; but a
+    ``restart`` of the job that wrote ``found`` may find it at the last step (a rank died after the last save):
+    that job has finished training."""
     where = f"the checkpoint {found} stopped at batch {position.batch} of epoch {position.epoch}"
     for theirs, ours, what in (
         (position.batch_size, config.batch_size, "in batches of {} samples, but this run's batch size is {}; resume "
@@ -408,7 +415,9 @@ def _check_resumable(config: TrainConfig, found: Path, position: checkpoint.Prog
         if theirs is not None and theirs != ours:
             raise ValueError(f"{where} {what.format(theirs, ours, theirs)}")
     end = config.steps if config.stop_after is None else config.stop_after
-    if position.step >= end:
+    if position.step >= end and restart:
+        log.warning("the restart found this job's checkpoint %s at its last step (%d): it only evaluates", found, end)
+    elif position.step >= end:
         raise ValueError(
             f"the checkpoint {found} is at step {position.step}, at or past this run's last step ({end}): there is "
             "nothing left to train; give a later --stop-after or more --steps"

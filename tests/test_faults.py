@@ -23,7 +23,7 @@ from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.launch import SHARED_RUN_ID, _children
 from stagewise.pipeline import Pipeline
-from stagewise.train import TrainConfig, _cannot_tell, _owns, train
+from stagewise.train import Summary, TrainConfig, _cannot_tell, _owns, train
 
 BASE = TrainConfig(
     model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
@@ -90,34 +90,58 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: P
         assert checkpoint.export(last, tmp_path / "model.pt").stat().st_size > 0
 
 
-def interrupted(root: str) -> list[float]:
-    """Train afresh under the job id "none", which every job has when started so; in the first attempt rank 1 dies
-    after step 5 (the last checkpoint is step 4's).
+def interrupted(root: str) -> Summary:
+    """Train afresh under the job id "none", which every job has when started so; rank 1 dies in the first attempt
+    after step 5 (the last checkpoint is step 4's), and in the second right after the last save (step 6's). Rank 0
+    writes each attempt's losses to ``root.losses``.
 
-    The agent's restart resumes by itself: a restarted run continues from the latest checkpoint of its job (the id
-    names other jobs too, so the token in the agent's store tells).
+    The agent's restarts resume by themselves: a restarted run continues from the latest checkpoint of its job (the
+    id names other jobs too, so the token in the agent's store tells), and the third attempt only evaluates.
     """
     torch.set_num_threads(1)
-    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+    attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), int(os.environ["RANK"])
 
     def maybe_die(step: int, loss: float, seconds: float) -> None:
-        if first_attempt and int(os.environ["RANK"]) == 1 and step == 5:
+        if rank == 0:
+            with open(f"{root}.losses", "a") as out:
+                out.write(f"{attempt} {loss!r}\n")
+        if attempt == 0 and rank == 1 and step == 5:
             _die()
 
-    return train(dataclasses.replace(BASE, checkpoint_dir=root), on_step=maybe_die).losses
+    if attempt == 1 and rank == 1:
+        real = checkpoint.save
+
+        def save_then_die(*args: Any, **kwargs: Any) -> Path:
+            saved = real(*args, **kwargs)
+            if saved.name == f"step-{BASE.steps:08d}":
+                _die()
+            return saved
+
+        checkpoint.save = save_then_die  # type: ignore[assignment]
+    return train(dataclasses.replace(BASE, checkpoint_dir=root), on_step=maybe_die)
 
 
-def straight(root: str) -> list[float]:
+def straight(root: str) -> Summary:
     torch.set_num_threads(1)
-    return train(dataclasses.replace(BASE, checkpoint_dir=root)).losses
+    return train(dataclasses.replace(BASE, checkpoint_dir=root))
 
 
 def test_a_restarted_job_ends_with_the_parameters_of_an_uninterrupted_one(tmp_path: Path) -> None:
     whole = run_ranks(straight, 2, str(tmp_path / "whole"), timeout=150)[0]
-    resumed = run_ranks(interrupted, 2, str(tmp_path / "restarted"), timeout=200, max_restarts=1, run_id="none")[0]
-    assert resumed == whole[4:]  # the restart continued from the checkpoint of step 4, bit for bit
+    root = tmp_path / "restarted"
+    last = run_ranks(interrupted, 2, str(root), timeout=240, max_restarts=2, run_id="none")[0]
+    attempts: dict[int, list[float]] = {}
+    for line in Path(f"{root}.losses").read_text().splitlines():
+        attempt, loss = line.split()
+        attempts.setdefault(int(attempt), []).append(float(loss))
+    assert attempts[0] == whole.losses[:5]
+    assert attempts[1] == whole.losses[4:]  # the restart continued from the checkpoint of step 4, bit for bit
+    # A restart after the last save failed with "nothing left to train": it has finished, and only evaluates.
+    assert 2 not in attempts and last.first_step == 6 and last.losses == []
+    assert last.evals == whole.evals == [(6, whole.evals[0][1])]
+    assert last.checkpoint == str(root / "step-00000006")
     a = torch.load(checkpoint.export(tmp_path / "whole" / "step-00000006", tmp_path / "a.pt"), weights_only=True)
-    b = torch.load(checkpoint.export(tmp_path / "restarted" / "step-00000006", tmp_path / "b.pt"), weights_only=True)
+    b = torch.load(checkpoint.export(root / "step-00000006", tmp_path / "b.pt"), weights_only=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
