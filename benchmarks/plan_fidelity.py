@@ -12,7 +12,8 @@ predicted, measured and their ratio.
 With ``--device cuda`` (one GPU) the planner profiles on the GPU and
 evaluates a single stage (1F1B, 4 micro-batches); ``train`` runs it there with
 NCCL, and the row adds the planned memory of the stage (weights, gradients,
-optimizer state and activations) against ``torch.cuda.max_memory_allocated``.
+optimizer state, activations and the loss's working tensors) against
+``torch.cuda.max_memory_allocated`` over the training steps.
 
     python benchmarks/plan_fidelity.py [--presets gpt-tiny,gpt-small] [--steps 8]
     python benchmarks/plan_fidelity.py --device cuda [--presets gpt-small]
@@ -72,10 +73,16 @@ def measured(config: TrainConfig) -> dict[str, Any]:
 
         pipe.step = tracked  # type: ignore[method-assign]
 
+    trained: list[int] = []  # the peak over the training steps, before the evaluation after the last
+
+    def stepped(step: int, loss: float, seconds: float) -> None:
+        if step == config.steps and torch.cuda.is_available():
+            trained.append(torch.cuda.max_memory_allocated())
+
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    summary = train(config, on_start=instrument)
-    allocated = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    summary = train(config, on_start=instrument, on_step=stepped)
+    allocated = trained[0] if trained else None
     torch.distributed.destroy_process_group()
     return {"steps": summary.step_seconds, "peak": max(peaks), "max_memory_allocated": allocated}
 

@@ -96,7 +96,8 @@ def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, inpu
 
     The last layer also holds what the loss saves for backward, taken as one
     tensor the size of the model's output (cross-entropy keeps its
-    log-softmax, a squared error its difference).
+    log-softmax, a squared error its difference); what else the loss holds
+    while it runs (:attr:`Workload.loss_bytes`) is the last stage's transient.
     """
     out = []
     previous = input_bytes
@@ -141,8 +142,9 @@ class _Setting:
     speeds: list[float]
     memory: MemoryModel
     capacities: list[float]
-    transient: float
-    """Bytes of one layer's activations recomputed at once under activation checkpointing."""
+    transient: list[float]
+    """Per stage: bytes it holds on top of its memory model while it computes one micro-batch: one layer's
+    activations recomputed at once under activation checkpointing, and on the last stage the loss's."""
 
 
 def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting | str:
@@ -169,10 +171,19 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     loss_f, loss_b = workload.loss_seconds
     last_f, last_b = seconds[-1]
     seconds[-1] = (last_f + loss_f * factor, last_b + loss_b * factor)  # the last stage also runs the loss
-    transient = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
+    recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
     smallest = min(d.memory for d in devices) / v
-    if transient >= smallest:
-        return f"recomputing one layer needs {transient / 2**30:.1f} GiB >= {smallest / 2**30:.1f} GiB per stage"
+    if recompute >= smallest:
+        return f"recomputing one layer needs {recompute / 2**30:.1f} GiB >= {smallest / 2**30:.1f} GiB per stage"
+    transient = [recompute] * n_stages
+    if workload.loss_bytes is not None:  # what the loss holds beyond the output-sized tensor _scaled counts
+        transient[-1] += max(0.0, workload.loss_bytes * factor - costs[-1].output_bytes)
+        have = devices[schedule.rank_of(n_stages - 1)].memory / v
+        if transient[-1] >= have:
+            return (
+                f"the loss on one micro-batch needs {transient[-1] / 2**30:.1f} GiB >= {have / 2**30:.1f} GiB on the "
+                "last stage"
+            )
     return _Setting(
         schedule=schedule,
         devices=devices,
@@ -188,7 +199,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
             shared=tuple(float(c.shared_bytes) for c in costs),
             ties=tuple(Tie(tie.indices, tie.nbytes * workload.state_multiplier) for tie in workload.shared),
         ),
-        capacities=[devices[schedule.rank_of(s)].memory / v - transient for s in range(n_stages)],
+        capacities=[devices[schedule.rank_of(s)].memory / v - transient[s] for s in range(n_stages)],
         transient=transient,
     )
 
@@ -215,12 +226,11 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     except CapacityError:
         # The split that uses the least of each stage's own device, and the stage that overflows in it.
         lean = balance(setting.memory, n_stages, speeds=setting.capacities)
-        worst = max(range(n_stages), key=lambda s: lean.times[s])
-        peak = lean.loads[worst] + setting.transient
-        have = setting.capacities[worst] + setting.transient
-        need, cap = _gib(peak, have)
+        need_of = [lean.loads[s] + setting.transient[s] for s in range(n_stages)]
+        worst = max(range(n_stages), key=lambda s: lean.loads[s] - setting.capacities[s])  # the most over its device
+        need, cap = _gib(need_of[worst], setting.capacities[worst] + setting.transient[worst])
         reason = f"stage {worst} needs {need} GiB > {cap} GiB (in the leanest split)"
-        return dataclasses.replace(option, rejected=reason, rank_memory=(peak * option.n_virtual,))
+        return dataclasses.replace(option, rejected=reason, rank_memory=(need_of[worst] * option.n_virtual,))
     b = part.bounds
     stage = [range(b[s], b[s + 1]) for s in range(n_stages)]
     speeds = setting.speeds
@@ -254,7 +264,7 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     fixed = [memory.fixed_bytes(layers) for layers in rank_layers]
     acts = [
         sum(memory.stage_bytes(s, b[s], b[s + 1]) - memory.fixed_bytes(stage[s]) for s in sched.stages_of(r))
-        + setting.transient
+        + max(setting.transient[s] for s in sched.stages_of(r))  # a rank computes one micro-batch at a time
         for r in range(pp)
     ]
     return dataclasses.replace(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import statistics
@@ -18,8 +19,10 @@ from torch import nn
 
 from stagewise.comm import Payload, as_tensors, launch
 from stagewise.models import preset
-from stagewise.partition import LayerCost, SharedParameter, layers_of, profile, shared_parameters
+from stagewise.partition import LayerCost, LiveBytes, SharedParameter, layers_of, profile, shared_parameters
 from stagewise.pipeline import LossFn
+
+log = logging.getLogger(__name__)
 
 Built: TypeAlias = "tuple[nn.Module, Payload, tuple[LossFn, Payload] | None]"
 """What a model builder returns: the model on the meta device, one micro-batch of input, the loss and a target."""
@@ -45,6 +48,9 @@ class Workload:
     """Measured optimizer-step time per parameter; None derives it from the device's memory bandwidth."""
     loss_seconds: tuple[float, float] = (0.0, 0.0)
     """Forward and backward seconds of the loss on one profiled micro-batch, when measured."""
+    loss_bytes: int | None = None
+    """Bytes the loss holds at its fullest on one profiled micro-batch, with the output it reads
+    (:func:`measure_loss_bytes`); None: not known, and taken as one tensor the size of the output."""
     shared: tuple[SharedParameter, ...] = ()
     """Parameters several layers use (tied weights). A stage keeps one copy; copies on different ranks have
     their gradients summed every step."""
@@ -88,11 +94,7 @@ def measure_loss(
 ) -> tuple[float, float]:
     """Forward and backward seconds of ``loss_fn(output, target)`` on ``device`` (medians of ``repeats``)."""
     loss_fn, target = loss
-    on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
-    shaper = model if on_meta else copy.deepcopy(model).to("meta")  # only the output's shape is wanted
-    with torch.device("meta"):
-        shape = shaper(_to(sample, torch.device("meta")))
-    outputs = _to(shape, device, random=True)
+    outputs = _to(_meta_output(model, sample), device, random=True)
     target = _to(target, device)
     forward, backward = [], []
     for _ in range(repeats + 1):
@@ -106,6 +108,29 @@ def measure_loss(
         forward.append(middle - began)
         backward.append(time.perf_counter() - middle)
     return statistics.median(forward[1:]), statistics.median(backward[1:])
+
+
+def measure_loss_bytes(model: nn.Module, sample: Payload, loss: tuple[LossFn, Payload]) -> int | None:
+    """Bytes the loss's forward and backward hold at their fullest, with the model's output they read, counted
+    on the meta device (:class:`~stagewise.partition.live.LiveBytes`); None where the loss cannot run there
+    (it reads values). For cross-entropy on logits: the logits, their log-softmax and the gradients of both."""
+    loss_fn, target = loss
+    outputs = _to(_meta_output(model, sample), torch.device("meta"), fresh=True)
+    try:
+        with LiveBytes() as live:
+            torch.autograd.backward([loss_fn(outputs, _to(target, torch.device("meta")))])
+    except (RuntimeError, NotImplementedError) as err:  # NotImplementedError: no meta kernel
+        log.debug("the loss cannot run on the meta device (%s); its working memory is not counted", err)
+        return None
+    return int(live.peak) + sum(int(t.untyped_storage().nbytes()) for t in as_tensors(outputs)[0])
+
+
+def _meta_output(model: nn.Module, sample: Payload) -> Payload:
+    """The model's output for ``sample``, on the meta device (only its shape is wanted)."""
+    on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    shaper = model if on_meta else copy.deepcopy(model).to("meta")
+    with torch.device("meta"):
+        return shaper(_to(sample, torch.device("meta")))  # type: ignore[no-any-return]
 
 
 def _sync(device: torch.device) -> None:
@@ -173,6 +198,7 @@ def workload(
         state_multiplier=state_multiplier,
         optimizer_seconds_per_param=per_param,
         loss_seconds=loss_seconds,
+        loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss),
     )
 
 

@@ -11,6 +11,7 @@ from stagewise.partition.layers import (
     layers_of,
     shared_parameters,
 )
+from stagewise.partition.live import LiveBytes
 from stagewise.partition.memory import Holding, MemoryModel, MemorySchedule, in_flight, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
 from stagewise.partition.split import Partition
@@ -25,6 +26,7 @@ __all__ = [
     "Holding",
     "Layer",
     "LayerCost",
+    "LiveBytes",
     "MemoryModel",
     "MemorySchedule",
     "Partition",
