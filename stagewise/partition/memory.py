@@ -122,9 +122,11 @@ def in_flight(schedule: MemorySchedule, n_stages: int, n_microbatches: int) -> t
     """Micro-batches whose activations each stage holds at its peak.
 
     GPipe runs every forward before any backward, so every stage holds all
-    ``m`` micro-batches. 1F1B (and ZB-H1 zero-bubble, which keeps 1F1B's
-    memory) lets stage ``s`` of ``p`` run at most ``p - s`` forwards ahead of
-    its backwards, so it holds ``min(p - s, m)``.
+    ``m`` micro-batches. 1F1B lets stage ``s`` of ``p`` run at most ``p - s``
+    forwards ahead of its backwards, so it holds ``min(p - s, m)``.
+    Zero-bubble (``stagewise.pipeline``'s ZB-H1) holds a micro-batch until its
+    weight pass, which the input pass keeps the graph for, and defers those
+    by up to ``p - 1`` more: ``min(2p - 1 - s, m)``.
     """
     if schedule not in get_args(MemorySchedule):
         raise ValueError(
@@ -136,7 +138,8 @@ def in_flight(schedule: MemorySchedule, n_stages: int, n_microbatches: int) -> t
         raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
     if schedule == "gpipe":
         return (n_microbatches,) * n_stages
-    return tuple(min(n_stages - s, n_microbatches) for s in range(n_stages))
+    ahead = 2 * n_stages - 1 if schedule == "zero-bubble" else n_stages
+    return tuple(min(ahead - s, n_microbatches) for s in range(n_stages))
 
 
 def memory_model(

@@ -154,7 +154,9 @@ def validate(schedule: Schedule) -> ScheduleReport:
 
 
 def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage: the most micro-batches forwarded whose backward (B or I) has not run yet."""
+    """Per stage: the most micro-batches forwarded whose saved activations are still held, until their backward
+    (B) has run, or with a split backward their weight pass (W): the input pass (I) keeps the graph for it."""
+    split = {(a.stage, a.microbatch) for actions in schedule.ranks for a in actions if a.kind is Kind.W}
     current = [0] * schedule.n_stages
     peak = [0] * schedule.n_stages
     for actions in schedule.ranks:
@@ -162,6 +164,6 @@ def peak_in_flight(schedule: Schedule) -> tuple[int, ...]:
             if a.kind is Kind.F:
                 current[a.stage] += 1
                 peak[a.stage] = max(peak[a.stage], current[a.stage])
-            elif a.kind.is_backward:
+            elif a.kind is Kind.W or (a.kind.is_backward and (a.stage, a.microbatch) not in split):
                 current[a.stage] -= 1
     return tuple(peak)

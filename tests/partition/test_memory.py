@@ -25,6 +25,7 @@ from stagewise.partition import (
     profile,
     shared_parameters,
 )
+from stagewise.pipeline import build, peak_in_flight
 
 
 def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0) -> LayerCost:
@@ -46,7 +47,10 @@ def test_in_flight_per_schedule() -> None:
     assert in_flight("gpipe", 4, 8) == (8, 8, 8, 8)
     assert in_flight("1f1b", 4, 8) == (4, 3, 2, 1)
     assert in_flight("1f1b", 4, 2) == (2, 2, 2, 1)
-    assert in_flight("zero-bubble", 3, 8) == (3, 2, 1)
+    assert in_flight("zero-bubble", 3, 8) == (5, 4, 3)  # held until the weight pass, which comes p - 1 later
+    for p, m in ((1, 1), (2, 4), (3, 2), (4, 5), (4, 8), (3, 12)):  # what the schedules themselves hold
+        for name in ("gpipe", "1f1b", "zero-bubble"):
+            assert in_flight(name, p, m) == peak_in_flight(build(name, p, m)), (name, p, m)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
