@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -16,7 +15,6 @@ from torch.utils.data import Dataset
 
 from stagewise import checkpoint
 from stagewise.comm import init_mesh
-from stagewise.comm.launch import job_token, restarts, shared_run_id
 from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
 from stagewise.models.text import text_splits
 from stagewise.partition import Partition, auto, balance, layers_of
@@ -31,6 +29,7 @@ from stagewise.pipeline import (
     WeightGradientFusion,
 )
 from stagewise.pipeline.arguments import checked_schedule
+from stagewise.resume import starting_point
 
 log = logging.getLogger(__name__)
 
@@ -314,14 +313,9 @@ def train(
     seconds)`` after every step. Returns this rank's :class:`Summary` (the
     losses are the global batch's on every rank).
 
-    A restart by torchrun's agent (TORCHELASTIC_RESTART_COUNT > 0) continues
-    from the latest checkpoint when the job that claimed ``checkpoint_dir``
-    (:func:`checkpoint.claim`) is this one: the same job id, and where that id
-    names other jobs too (:func:`shared_run_id`) the same token from the
-    agent's store (:func:`job_token`). Otherwise it refuses checkpoints there
-    as the first attempt did. A restart that finds its job's checkpoint at
-    the last step trains nothing: it evaluates, and returns a Summary
-    without steps.
+    Where it starts, afresh or from a checkpoint, is :func:`~stagewise.resume.starting_point`'s choice. A
+    restart that finds its job's checkpoint at the last step trains nothing: it evaluates, and returns a
+    Summary without steps.
     """
     torch.manual_seed(config.seed)
     pipe = build_pipeline(config)
@@ -333,28 +327,8 @@ def train(
     # Built now, so that a validation split too small for one batch fails before training, not after it.
     val_loader = StageLoader.of(pipe, val_data, global_batch_size=config.batch_size, shuffle=False)
     optimizer = _optimizer(config, pipe)
-    position = checkpoint.Progress(0, 0, 0)
-    found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
-    job, restarted, shared = os.environ.get("TORCHELASTIC_RUN_ID", ""), restarts() > 0, shared_run_id()
-    token: str | None = None
-    own: bool | None = False  # a restart continues its own job's checkpoints, never another's (see _owns)
-    if restarted and config.checkpoint_dir is not None:
-        token = job_token(new=False, timeout=config.timeout) if shared else None
-        own = _owns(config.checkpoint_dir, job, token)
-    if config.resume or own:
-        if found is None:
-            log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
-        else:
-            position = checkpoint.load(found, pipe, optimizer)
-            _check_resumable(config, found, position, restart=own is True)
-    elif found is not None:
-        raise ValueError(
-            fresh_run_refused(str(config.checkpoint_dir), found) if own is False else _cannot_tell(found, job)
-        )
-    if config.checkpoint_dir is not None:
-        if shared and not restarted and pipe.mesh.rank == 0:  # the first attempt's rank 0 records the job's token
-            token = job_token(new=True, timeout=config.timeout)
-        checkpoint.claim(config.checkpoint_dir, job, pipe.device, token)
+    start = starting_point(config, pipe, optimizer)
+    position, found = start.position, start.checkpoint
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
@@ -393,65 +367,7 @@ def train(
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
         if done == end or (config.eval_every and done % config.eval_every == 0):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))
-    if position.step >= end:  # a restart after this job's last save (_check_resumable): only the evaluation is left
+    if position.step >= end:  # a restart after this job's last save (starting_point): only the evaluation is left
         summary.checkpoint = str(found)
         summary.evals.append((position.step, _evaluate(pipe, val_loader, config)))
     return summary
-
-
-def _check_resumable(config: TrainConfig, found: Path, position: checkpoint.Progress, *, restart: bool) -> None:
-    """Refuse a resume whose data would not continue the checkpoint's, or that has nothing left to train; but a
-    ``restart`` of the job that wrote ``found`` may find it at the last step (a rank died after the last save):
-    that job has finished training."""
-    where = f"the checkpoint {found} stopped at batch {position.batch} of epoch {position.epoch}"
-    for theirs, ours, what in (
-        (position.batch_size, config.batch_size, "in batches of {} samples, but this run's batch size is {}; resume "
-         "with the same batch size (--batch-size {})"),
-        (position.seed, config.seed, "in the data order of seed {}, but this run's seed is {}; resume with the same "
-         "seed (--seed {})"),
-        (position.sample_length, config.tokens_per_sample, "in samples of {} tokens, but this run's are {}; resume "
-         "with the same sequence length (--seq-len {})"),
-    ):  # fmt: skip
-        if theirs is not None and theirs != ours:
-            raise ValueError(f"{where} {what.format(theirs, ours, theirs)}")
-    end = config.steps if config.stop_after is None else config.stop_after
-    if position.step >= end and restart:
-        log.warning("the restart found this job's checkpoint %s at its last step (%d): it only evaluates", found, end)
-    elif position.step >= end:
-        raise ValueError(
-            f"the checkpoint {found} is at step {position.step}, at or past this run's last step ({end}): there is "
-            "nothing left to train; give a later --stop-after or more --steps"
-        )
-
-
-def fresh_run_refused(directory: str | Path, found: Path) -> str:
-    """Why a run that does not resume may not write into ``directory``, whose latest checkpoint is ``found``."""
-    return (
-        f"{directory} already holds checkpoints (the latest {found.name}), from an earlier run: continue that run "
-        "with resume (stagewise train --resume), or start this one in another checkpoint directory (--checkpoint-dir "
-        "DIR, or --no-checkpoints), or delete those checkpoints"
-    )
-
-
-def _owns(directory: str, job: str, token: str | None) -> bool | None:
-    """Whether a restart of job ``job`` may continue the checkpoints in ``directory``: the job that claimed it
-    last (:func:`checkpoint.claim`) had this id and, where the id names other jobs too (:func:`shared_run_id`),
-    this job's ``token`` (:func:`job_token`); the id alone cannot tell such a job from an earlier one that left
-    its checkpoints there. None: such an id, and no token here or in the folder, so it cannot tell."""
-    if not job or checkpoint.owner(directory) != job:
-        return False
-    if not shared_run_id():
-        return True
-    theirs = checkpoint.owner_token(directory)
-    return None if token is None or theirs is None else theirs == token
-
-
-def _cannot_tell(found: Path, job: str) -> str:
-    """Why a restart whose job id names other jobs too does not continue the checkpoint ``found``."""
-    return (
-        f"this restart cannot tell whether the checkpoints in {found.parent} (the latest {found.name}) are this "
-        f"job's: its id {job!r} names other jobs too (torchrun without --rdzv-id calls every job 'none'), and "
-        "the store of torchrun's agent that would tell them apart holds no token of this job (or the folder "
-        "recorded none); to continue them relaunch with resume (stagewise train --resume), or give each job a "
-        "unique id (torchrun --rdzv-id, e.g. the scheduler's job id; launch(run_id=...))"
-    )

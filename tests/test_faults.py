@@ -23,7 +23,8 @@ from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.launch import SHARED_RUN_ID, _children
 from stagewise.pipeline import Pipeline
-from stagewise.train import Summary, TrainConfig, _cannot_tell, _owns, train
+from stagewise.resume import cannot_tell, owns
+from stagewise.train import Summary, TrainConfig, train
 
 BASE = TrainConfig(
     model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
@@ -171,26 +172,26 @@ def test_a_restart_trusts_a_unique_job_id_and_a_shared_one_only_with_its_jobs_to
 ) -> None:
     # A restart of a job whose id every job had ("none", or launch's id of several nodes) continued another job's
     # checkpoints; an empty id counted as the folder's owner.
-    def owns(job: str, claimed: str, token: str | None, theirs: str | None) -> bool | None:
+    def verdict(job: str, claimed: str, token: str | None, theirs: str | None) -> bool | None:
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
         checkpoint.claim(tmp_path, claimed, torch.device("cpu"), theirs)
-        return _owns(str(tmp_path), job, token)
+        return owns(str(tmp_path), job, token)
 
     monkeypatch.delenv(SHARED_RUN_ID, raising=False)
-    assert owns("a1b2", "a1b2", None, None) is True  # a unique id is trusted
-    assert owns("a1b2", "c3d4", None, None) is False
-    assert owns("", "", None, None) is False
-    assert owns("none", "none", "t1", "t1") is True
-    assert owns("none", "none", "t2", "t1") is False  # an earlier job under the same id
-    assert owns("none", "none", None, "t1") is None  # no agent store: it cannot tell
-    assert owns("none", "none", "t1", None) is None  # the folder recorded no token
+    assert verdict("a1b2", "a1b2", None, None) is True  # a unique id is trusted
+    assert verdict("a1b2", "c3d4", None, None) is False
+    assert verdict("", "", None, None) is False
+    assert verdict("none", "none", "t1", "t1") is True
+    assert verdict("none", "none", "t2", "t1") is False  # an earlier job under the same id
+    assert verdict("none", "none", None, "t1") is None  # no agent store: it cannot tell
+    assert verdict("none", "none", "t1", None) is None  # the folder recorded no token
     shared = _children({"nnodes": 2, "rdzv_endpoint": "node0:29500"})[SHARED_RUN_ID]
     assert shared == "stagewise-node0:29500" and SHARED_RUN_ID not in _children({"nnodes": 2, "run_id": "j7"})
     monkeypatch.setenv(SHARED_RUN_ID, shared)
-    assert owns(shared, shared, "t2", "t1") is False and owns(shared, shared, "t1", "t1") is True
-    assert owns(shared, shared, None, "t1") is None
+    assert verdict(shared, shared, "t2", "t1") is False and verdict(shared, shared, "t1", "t1") is True
+    assert verdict(shared, shared, None, "t1") is None
     found = tmp_path / "step-00000004"
-    assert _cannot_tell(found, "none").endswith(
+    assert cannot_tell(found, "none").endswith(
         "relaunch with resume (stagewise train --resume), or give each job a unique id (torchrun --rdzv-id, e.g. "
         "the scheduler's job id; launch(run_id=...))"
     )

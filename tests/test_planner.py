@@ -315,3 +315,21 @@ def test_a_single_stage_needs_the_memory_the_planner_predicts() -> None:
     )  # fmt: skip
     peak = run_ranks(live_peak, 1, run, timeout=120)[0]
     assert option.rank_memory[0] == pytest.approx(peak, rel=0.01)
+
+
+def test_the_last_stage_holds_the_losss_working_tensors() -> None:
+    # A loss that holds 1 GiB per sample at its fullest (what LiveBytes counts on meta), on one 4 GiB device: one
+    # micro-batch of 4 samples cannot run it; four of 1 sample fit, and the rank's memory counts it.
+    costs = tuple(
+        LayerCost(name=f"l{i}", params=1, param_bytes=4, buffer_bytes=0, flops=10**6, forward_flops=10**6 // 3,
+                  output_bytes=1024, saved_bytes=1024, time=None)
+        for i in range(2)
+    )  # fmt: skip
+    work = Workload(costs=costs, profiled_batch=1, global_batch=4, input_bytes=1024, loss_bytes=GiB + 1024)
+    cluster = Cluster((Device(4 * GiB, 1e14),))
+    whole = evaluate(Option(1, 1, 1, 1, "1f1b", False), work, cluster)
+    assert whole.rejected == "the loss on one micro-batch needs 4.0 GiB >= 4.0 GiB on the last stage"
+    split = evaluate(Option(1, 1, 1, 4, "1f1b", False), work, cluster)
+    assert split.rejected is None
+    unknown = evaluate(Option(1, 1, 1, 4, "1f1b", False), dataclasses.replace(work, loss_bytes=None), cluster)
+    assert split.rank_memory[0] - unknown.rank_memory[0] == GiB  # what the loss holds beyond the output it reads

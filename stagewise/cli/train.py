@@ -20,7 +20,8 @@ from stagewise.comm import Layout, launch
 from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline, ScheduleName
 from stagewise.planner import load_plan
-from stagewise.train import Optimizer, Summary, TrainConfig, fresh_run_refused, preflight, train
+from stagewise.resume import fresh_run_refused
+from stagewise.train import Optimizer, Summary, TrainConfig, preflight, train
 
 DEFAULTS = TrainConfig()
 PLANNED = (
