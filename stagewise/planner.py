@@ -12,7 +12,7 @@ from typing import Any
 
 from stagewise.cluster import Cluster, Device
 from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, Tie, balance, params_of
-from stagewise.pipeline import ScheduleName, StageCosts, build, holdings, peak_in_flight, simulate
+from stagewise.pipeline import Kind, ScheduleName, StageCosts, build, holdings, peak_in_flight, simulate
 from stagewise.pipeline.simulate import SimulationResult
 from stagewise.workload import Workload
 
@@ -115,6 +115,7 @@ def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, inpu
                 shared_bytes=0 if checkpointing else int(c.shared_bytes * factor),  # each keeps its own input
                 time=None if c.time is None else c.time * factor,
                 pooled_bytes=int(c.pooled_bytes * factor),
+                use_bytes=int(c.use_bytes * factor),
             )
         )
         previous = c.output_bytes * factor
@@ -159,6 +160,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     if local % m:
         return f"batch {local} per replica not divisible by m={m}"
     schedule = build(option.schedule, n_stages, m, n_virtual=v)
+    splits = any(action.kind is Kind.W for actions in schedule.ranks for action in actions)
     factor = local // m / workload.profiled_batch
     ckpt = option.activation_checkpointing
     costs = _scaled(workload.costs, factor, ckpt, workload.input_bytes * factor)
@@ -194,7 +196,8 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
             fixed=tuple(c.param_bytes * workload.state_multiplier + c.buffer_bytes for c in costs),
             activation=tuple(float(c.saved_bytes) for c in costs),
             in_flight=peak_in_flight(schedule),
-            pooled=tuple(float(c.pooled_bytes) for c in costs),
+            # A split backward keeps, from I to W, the pooled linears' bytes and the other uses' output gradients.
+            pooled=tuple(float(c.pooled_bytes + (c.use_bytes if splits else 0)) for c in costs),
             holdings=holdings(schedule, checkpointing=ckpt),  # with Pipeline's default weight-gradient pool
             shared=tuple(float(c.shared_bytes) for c in costs),
             ties=tuple(Tie(tie.indices, tie.nbytes * workload.state_multiplier) for tie in workload.shared),

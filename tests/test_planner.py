@@ -300,21 +300,26 @@ def live_peak(config: TrainConfig) -> int:
     return live.peak
 
 
-def test_a_single_stage_needs_the_memory_the_planner_predicts() -> None:
-    # Weights, gradients, AdamW's moments, the activations of the micro-batch in flight, and the loss's working
+@pytest.mark.parametrize(("stages", "schedule", "within"), [(1, "1f1b", 0.01), (2, "zero-bubble", 0.15)])
+def test_each_rank_needs_the_memory_the_planner_predicts(stages: int, schedule: str, within: float) -> None:
+    # Weights, gradients, AdamW's moments, the activations of the micro-batches in flight, and the loss's working
     # tensors (the logits, their log-softmax and the gradients of both): the planner counted only one of the
-    # loss's four logits-sized tensors, and came out 6 % short for gpt-tiny (44 % for gpt-small on the H200).
+    # loss's four logits-sized tensors, and came out 6 % short for one gpt-tiny stage (44 % for gpt-small on the
+    # H200). Zero-bubble keeps each micro-batch until its W, and from I to W the gradients W starts from: the
+    # planner took 1F1B's in flight, 56 % short. What is left between stages (the boundary tensors and transfer
+    # buffers, which the planner leaves out) is 7-12 % of gpt-tiny's.
     config = preset("gpt-tiny")
     model, sample, loss = config.build(device="meta"), config.example(8, 128), (config.loss, config.target(8, 128))
     work = workload(model, sample, global_batch=32, tokens_per_sample=128, loss=loss)  # type: ignore[arg-type]
-    option = evaluate(Option(1, 1, 1, 4, "1f1b", False), work, Cluster((Device(GiB, 1e12),)))
+    option = evaluate(Option(stages, 1, 1, 4, schedule, False), work, Cluster((Device(GiB, 1e12),) * stages))  # type: ignore[arg-type]
     assert option.partition is not None
     run = TrainConfig(
-        model="gpt-tiny", stages=1, microbatches=4, batch_size=32, seq_len=128, steps=2, eval_every=0,
-        checkpoint_dir=None, partition=option.partition.bounds, timeout=60,
+        model="gpt-tiny", stages=stages, schedule=schedule, microbatches=4, batch_size=32, seq_len=128,  # type: ignore[arg-type]
+        steps=2, eval_every=0, checkpoint_dir=None, partition=option.partition.bounds, timeout=60,
     )  # fmt: skip
-    peak = run_ranks(live_peak, 1, run, timeout=120)[0]
-    assert option.rank_memory[0] == pytest.approx(peak, rel=0.01)
+    peaks = run_ranks(live_peak, stages, run, timeout=120)
+    for rank in range(stages):
+        assert option.rank_memory[rank] == pytest.approx(peaks[rank], rel=within), rank
 
 
 def test_the_last_stage_holds_the_losss_working_tensors() -> None:

@@ -158,7 +158,8 @@ def memory_model(
     4 for fp32 Adam (weights, gradients and two moments), 2 for plain SGD.
     Buffers are counted once; saved activations once per micro-batch in flight.
     ``holdings`` adds the weight gradients a pipeline pools
-    (:attr:`LayerCost.pooled_bytes`): pass
+    (:attr:`LayerCost.pooled_bytes`; under zero-bubble also the output
+    gradients its input pass keeps for its weight pass, :attr:`LayerCost.use_bytes`): pass
     ``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default;
     without it only the micro-batches in flight count. ``shared`` lists the
     parameters layers share (:func:`~stagewise.partition.shared_parameters`),
@@ -170,7 +171,9 @@ def memory_model(
         fixed=tuple(c.param_bytes * state_multiplier + c.buffer_bytes for c in costs),
         activation=tuple(float(c.saved_bytes) for c in costs),
         in_flight=in_flight(schedule, n_stages, n_microbatches),
-        pooled=tuple(float(c.pooled_bytes) for c in costs) if holdings is not None else (),
+        pooled=tuple(float(c.pooled_bytes + (c.use_bytes if schedule == "zero-bubble" else 0)) for c in costs)
+        if holdings is not None
+        else (),
         holdings=() if holdings is None else tuple(tuple(moments) for moments in holdings),
         shared=tuple(float(c.shared_bytes) for c in costs),
         ties=tuple(Tie(tie.indices, tie.nbytes * state_multiplier) for tie in shared),

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
@@ -73,6 +74,9 @@ class LayerCost:
     The input and the output gradient of each linear whose weight has at least
     :data:`DEFAULT_MIN_POOLED_ELEMENTS` elements (what ``Pipeline``'s default
     fusion pools; see ``stagewise.pipeline.WeightGradientFusion``)."""
+    use_bytes: int = 0
+    """Bytes of the outputs of the ops that read a parameter, pooled linears aside: zero-bubble's input pass
+    (I) keeps their gradients, one micro-batch's this much, for its weight pass (W)."""
 
 
 def _tensors(value: object, where: str) -> tuple[torch.Tensor, ...]:
@@ -143,12 +147,15 @@ the ATen op that traced graphs call."""
 
 
 class _PooledBytes(TorchFunctionMode):
-    """Adds up the input and output bytes of each linear op whose weight a pooled backward would keep them for."""
+    """Adds up what backwards keep for weight gradients computed later: the input and output bytes of each linear
+    op whose weight a pooled backward keeps them for (``total``), and the output bytes of every other op that
+    reads a parameter (``uses``), whose gradients zero-bubble's input pass keeps for its weight pass."""
 
     def __init__(self, min_elements: int) -> None:
         super().__init__()
         self.min_elements = min_elements
         self.total = 0
+        self.uses = 0
 
     def __torch_function__(
         self,
@@ -159,12 +166,21 @@ class _PooledBytes(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in LINEAR_OPS and torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return out
+        if func in LINEAR_OPS:
             x = args[0] if args else kwargs["input"]
             w = args[1] if len(args) > 1 else kwargs["weight"]
             if isinstance(w, nn.Parameter) and w.requires_grad and w.numel() >= self.min_elements:
                 self.total += x.numel() * x.element_size() + out.numel() * out.element_size()
+                return out
+        if any(isinstance(a, nn.Parameter) and a.requires_grad for a in tree_leaves((args, kwargs))):
+            self.uses += sum(t.numel() * t.element_size() for t in tree_leaves(out) if _needs_grad(t))
         return out
+
+
+def _needs_grad(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
 
 
 class _SavedBytes:
@@ -334,6 +350,7 @@ def profile(
                 time=elapsed,
                 shared_bytes=shared,
                 pooled_bytes=pooled.total,
+                use_bytes=pooled.uses,
             )
         )
         log.debug("profiled %s: %s", layer.name, costs[-1])

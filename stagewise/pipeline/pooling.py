@@ -114,6 +114,31 @@ def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[H
     return tuple(Holding(a, b) for a, b in reversed(top))
 
 
+def _split_moments(actions: Sequence[Action], stage: int) -> tuple[Holding, ...]:
+    """A rank that splits its backwards: per moment, ``stage``'s micro-batches from F to W (the input pass keeps
+    their graph for W) and from I to W (it keeps the gradients of the outputs W starts from), undominated."""
+    in_flight = waiting = 0
+    seen = set()
+    for action in actions:
+        if action.stage != stage:
+            continue
+        if action.kind is Kind.F:
+            in_flight += 1
+        elif action.kind is Kind.I:
+            waiting += 1
+        elif action.kind is Kind.W:
+            seen.add((in_flight, waiting))  # held while W computes
+            in_flight, waiting = in_flight - 1, waiting - 1
+        else:  # B: a backward that is not split
+            in_flight -= 1
+        seen.add((in_flight, waiting))
+    top: list[tuple[int, int]] = []
+    for a, b in sorted(seen, reverse=True):  # most in flight first: keep those waiting for W more than any before
+        if not top or b > top[-1][1]:
+            top.append((a, b))
+    return tuple(Holding(a, b) for a, b in reversed(top))
+
+
 def holdings(
     schedule: Schedule, fusion: WeightGradientFusion | None = WeightGradientFusion(), *, checkpointing: bool = False
 ) -> tuple[tuple[Holding, ...], ...]:
@@ -122,7 +147,11 @@ def holdings(
     ``fusion`` is what ``Pipeline`` was given as ``fuse_weight_gradients``,
     with the same default; None, autograd's accumulation, pools nothing.
     Where a rank pools nothing each of its stages has one moment, its peak in
-    flight.
+    flight. A rank that splits its backwards (zero-bubble) holds a
+    micro-batch from F to W and its output gradients from I to W: there
+    ``pooled`` counts the micro-batches waiting for W, which keep
+    :attr:`~stagewise.partition.LayerCost.use_bytes` (with the pooled linears'
+    :attr:`~stagewise.partition.LayerCost.pooled_bytes`) each.
     """
     peaks = peak_in_flight(schedule)
     free = fusion is not None and fusion.pool == "free" and not checkpointing
@@ -130,6 +159,10 @@ def holdings(
     out: list[tuple[Holding, ...]] = [()] * schedule.n_stages
     for rank, actions in enumerate(schedule.ranks):
         pool = _choose(fusion, actions, functools.partial(_free_pool, actions, limit), checkpointing)
+        split = any(action.kind is Kind.W for action in actions)
         for stage in schedule.stages_of(rank):
-            out[stage] = (Holding(peaks[stage]),) if pool == 1 else _moments(actions, pool, stage)
+            if split:
+                out[stage] = _split_moments(actions, stage)
+            else:
+                out[stage] = (Holding(peaks[stage]),) if pool == 1 else _moments(actions, pool, stage)
     return tuple(out)

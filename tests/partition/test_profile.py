@@ -314,3 +314,12 @@ def test_grouped_query_attention_on_meta_repeats_keys_and_values_each_to_the_que
     x = torch.randn(2, 16, 8)
     (real,), (meta,) = profile(_heads_attention("cpu", 8, 2, 4), x), profile(_heads_attention("meta", 8, 2, 4), x)
     assert meta.forward_flops == real.forward_flops and meta.output_bytes == real.output_bytes
+
+
+def test_use_bytes_count_the_outputs_whose_gradients_zero_bubbles_weight_pass_starts_from() -> None:
+    # Each op that reads a parameter (linear, layer norm) keeps its output's gradient from I to W; a GELU reads none,
+    # and a pooled linear's bytes are in pooled_bytes instead.
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 600))
+    assert [c.use_bytes for c in profile(model, torch.zeros(3, 4))] == [3 * 8 * 4, 3 * 8 * 4, 0, 3 * 600 * 4]
+    pooled = profile(nn.Sequential(nn.Linear(4, 8)), torch.zeros(3, 4), pooled_min_elements=32)[0]
+    assert (pooled.use_bytes, pooled.pooled_bytes) == (0, 3 * 4 * 4 + 3 * 8 * 4)

@@ -263,7 +263,8 @@ def test_holdings_follow_the_chosen_pool() -> None:
     assert holdings(schedule, WeightGradientFusion(pool=3)) == tuple(_moments(schedule.ranks[r], 3, r) for r in (0, 1))
     gpipe = holdings(build("gpipe", 2, 4), WeightGradientFusion(pool=None))
     assert gpipe == ((Holding(0, 4), Holding(1, 3), Holding(2, 2), Holding(3, 1), Holding(4, 0)),) * 2
-    assert holdings(build("zero-bubble", 2, 4), WeightGradientFusion(pool=2)) == ((Holding(3),), (Holding(2),))
+    # A split backward: micro-batches from F to W, and those whose output gradients wait from I to W.
+    assert holdings(build("zero-bubble", 2, 4), WeightGradientFusion(pool=2)) == ((Holding(3, 2),), (Holding(2, 2),))
 
 
 class _LocalTransport:
