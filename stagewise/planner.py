@@ -229,11 +229,14 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     except CapacityError:
         # The split that uses the least of each stage's own device, and the stage that overflows in it.
         lean = balance(setting.memory, n_stages, speeds=setting.capacities)
-        need_of = [lean.loads[s] + setting.transient[s] for s in range(n_stages)]
         worst = max(range(n_stages), key=lambda s: lean.loads[s] - setting.capacities[s])  # the most over its device
-        need, cap = _gib(need_of[worst], setting.capacities[worst] + setting.transient[worst])
+        need, cap = _gib(
+            lean.loads[worst] + setting.transient[worst], setting.capacities[worst] + setting.transient[worst]
+        )
         reason = f"stage {worst} needs {need} GiB > {cap} GiB (in the leanest split)"
-        return dataclasses.replace(option, rejected=reason, rank_memory=(need_of[worst] * option.n_virtual,))
+        # A rank of v such stages; it computes one micro-batch at a time, so holds the transient once.
+        rank = lean.loads[worst] * option.n_virtual + setting.transient[worst]
+        return dataclasses.replace(option, rejected=reason, rank_memory=(rank,))
     b = part.bounds
     stage = [range(b[s], b[s + 1]) for s in range(n_stages)]
     speeds = setting.speeds

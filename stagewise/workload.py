@@ -119,8 +119,9 @@ def measure_loss_bytes(model: nn.Module, sample: Payload, loss: tuple[LossFn, Pa
     try:
         with LiveBytes() as live:
             torch.autograd.backward([loss_fn(outputs, _to(target, torch.device("meta")))])
-    except (RuntimeError, NotImplementedError) as err:  # NotImplementedError: no meta kernel
-        log.debug("the loss cannot run on the meta device (%s); its working memory is not counted", err)
+    except Exception as err:  # a loss that reads values (.item(), .numpy()) or has no meta kernel: not counted
+        log.debug("the loss cannot run on the meta device (%s: %s); its working memory is not counted",
+                  type(err).__name__, err)  # fmt: skip
         return None
     return int(live.peak) + sum(int(t.untyped_storage().nbytes()) for t in as_tensors(outputs)[0])
 

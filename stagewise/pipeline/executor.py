@@ -57,7 +57,7 @@ class StepResult:
     loss: torch.Tensor | None
     """The sum of the weighted micro-batch losses, on the rank of the last stage."""
     outputs: list[Payload]
-    """The last stage's output per micro-batch, when kept (forward-only runs)."""
+    """The last stage's output per micro-batch, when kept (forward-only runs without a loss: ``predict``)."""
     events: list[Event]
     """Each action as it really ran, in seconds from the start."""
     spans: list[Span]
@@ -341,11 +341,6 @@ class _Run:
         assert self.x.replicas is not None
         return self.x.replicas.prepare(stage, outputs)
 
-    def _settle(self, stage: int) -> None:
-        """After the backward that :meth:`_arm` armed (see :meth:`Replicas.settle`)."""
-        assert self.x.replicas is not None
-        self.x.replicas.settle(stage)
-
     def _backward(self, action: Action, incoming: Payload | None, *, sync: bool = False) -> None:
         s, mb, x = action.stage, action.microbatch, self.x
         slot = self.slots[(s, mb)]
@@ -374,15 +369,12 @@ class _Run:
                 extra = self._arm(s, [])
                 if extra:
                     torch.autograd.backward(extra)
-                    self._settle(s)
         elif action.kind is Kind.B or not (wanted or per_owner):
             if sync:
                 self.flush()  # DDP all-reduces .grad during this backward: it must be complete
                 extra = self._arm(s, roots)
                 roots, root_grads = [*roots, *extra], [*root_grads, *(None for _ in extra)]
             torch.autograd.backward(roots, root_grads)
-            if sync:
-                self._settle(s)
             input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
         else:
             flat = [t for group in per_owner for t in group]
@@ -416,8 +408,6 @@ class _Run:
         weight_gradients(slot.owners, slot.owner_grads, joint=slot.joint, before=arm)
         if slot.store is not None:  # after autograd, which may pass a fused op again: it leaves nothing twice
             slot.store.flush()
-        if sync:
-            self._settle(action.stage)
         self._done(slot)
 
     def _done(self, slot: _Slot) -> None:

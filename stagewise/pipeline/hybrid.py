@@ -97,8 +97,6 @@ class Replicas:
         self.timeout = timeout
         """Seconds DDP's all-reduce may wait (the group's own bound), for :meth:`failed`'s message."""
         self.wrapped: dict[int, DistributedDataParallel] = {}
-        self.anchored: dict[int, list[torch.Tensor]] = {}
-        """Per stage: the parameters with no gradient that :meth:`prepare`'s added root reads."""
         for s, module in stages.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue  # nothing to synchronise; DDP refuses such modules
@@ -124,8 +122,8 @@ class Replicas:
         and the gradients that earlier micro-batches accumulated would stay unsynchronised (with
         ``find_unused_parameters``: silently). The added root is zero and reads one parameter (with
         ``find_unused_parameters``, one that already has a gradient where one does) or every parameter (without,
-        as DDP then waits for each); its backward adds zero to their gradients, and the replicas all-reduce
-        what they accumulated. Call :meth:`settle` after that backward.
+        as DDP then waits for each); its backward adds zero to their gradients (a zero gradient where one was
+        None), and the replicas all-reduce what they accumulated.
         """
         ddp = self.wrapped.get(stage)
         if ddp is None:
@@ -137,18 +135,8 @@ class Replicas:
                 trained = [next((p for p in trained if p.grad is not None), trained[0])]
             terms = [p.flatten()[:1].sum() for p in trained]  # one element each (none of an empty one)
             extra = [sum(terms[1:], terms[0]) * 0.0]
-            self.anchored[stage] = [p for p in trained if p.grad is None]
         ddp.reducer.prepare_for_backward([*outputs, *extra] if self.config.find_unused_parameters else [])
         return extra
-
-    def settle(self, stage: int) -> None:
-        """After the backward that :meth:`prepare` armed: a parameter that had no gradient until the added root
-        gave it zero, and still has zero after the all-reduce, had none on any replica. It gets None back, as
-        under plain DDP, so that an optimizer leaves it alone (weight decay and momentum move a zero gradient's
-        parameter). A gradient that is exactly zero on every replica that computed one is taken for the same."""
-        for p in self.anchored.pop(stage, []):
-            if p.grad is not None and not bool(p.grad.any()):
-                p.grad = None
 
     def synchronising(self, stage: int, action: Action) -> AbstractContextManager[None]:
         """Around the backward of ``action``, in which DDP all-reduces ``stage``'s gradients: when that

@@ -83,7 +83,6 @@ def test_zero_bubble_beats_1f1b_holding_micro_batches_until_their_weight_pass(p:
     assert zb.bubble < plain.bubble
     # The input pass keeps each micro-batch's graph for its weight pass, deferred by up to p - 1 more.
     assert zb.peak_in_flight == tuple(min(2 * p - 1 - s, m) for s in range(p))
-    assert all(z <= o + p - 1 for z, o in zip(zb.peak_in_flight, plain.peak_in_flight, strict=True))
 
 
 def test_zero_bubble_reaches_a_third_of_1f1b_bubble() -> None:
