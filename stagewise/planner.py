@@ -97,7 +97,7 @@ def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, inpu
     The last layer also holds what the loss saves for backward, taken as one
     tensor the size of the model's output (cross-entropy keeps its
     log-softmax, a squared error its difference); what else the loss holds
-    while it runs (:attr:`Workload.loss_bytes`) is the last stage's transient.
+    while it runs (:attr:`Workload.loss_bytes`) is the last stage's working memory (:func:`_working`).
     """
     out = []
     previous = input_bytes
@@ -116,6 +116,7 @@ def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, inpu
                 time=None if c.time is None else c.time * factor,
                 pooled_bytes=int(c.pooled_bytes * factor),
                 use_bytes=int(c.use_bytes * factor),
+                working_bytes=int(c.working_bytes * factor),
             )
         )
         previous = c.output_bytes * factor
@@ -144,8 +145,12 @@ class _Setting:
     memory: MemoryModel
     capacities: list[float]
     transient: list[float]
-    """Per stage: bytes it holds on top of its memory model while it computes one micro-batch: one layer's
-    activations recomputed at once under activation checkpointing, and on the last stage the loss's."""
+    """Per stage, at most: bytes it holds on top of its memory model while it computes one micro-batch (see
+    :func:`_working`), whichever layers it gets; what the partition must leave free."""
+    recompute: float
+    """Bytes of one layer's activations recomputed at once under activation checkpointing."""
+    loss_extra: float
+    """Bytes the loss holds beyond the output-sized tensor counted as saved, on the last stage."""
 
 
 def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting | str:
@@ -177,15 +182,18 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     smallest = min(d.memory for d in devices) / v
     if recompute >= smallest:
         return f"recomputing one layer needs {recompute / 2**30:.1f} GiB >= {smallest / 2**30:.1f} GiB per stage"
-    transient = [recompute] * n_stages
-    if workload.loss_bytes is not None:  # what the loss holds beyond the output-sized tensor _scaled counts
-        transient[-1] += max(0.0, workload.loss_bytes * factor - costs[-1].output_bytes)
-        have = devices[schedule.rank_of(n_stages - 1)].memory / v
-        if transient[-1] >= have:
-            return (
-                f"the loss on one micro-batch needs {transient[-1] / 2**30:.1f} GiB >= {have / 2**30:.1f} GiB on the "
-                "last stage"
-            )
+    # What the loss holds beyond the output-sized tensor _scaled counts as saved.
+    loss_extra = 0.0 if workload.loss_bytes is None else max(0.0, workload.loss_bytes * factor - costs[-1].output_bytes)
+    every = range(len(costs))
+    last = _working(costs, every, recompute, loss_extra)
+    transient = [_working(costs, every[:-1], recompute, 0.0)] * (n_stages - 1) + [last]  # only it has the last layer
+    for s in range(n_stages):
+        have = devices[schedule.rank_of(s)].memory / v
+        if transient[s] >= have:
+            what = "the loss" if s == n_stages - 1 and transient[s] == recompute + loss_extra else "one layer"
+            where = "the last stage" if s == n_stages - 1 else f"stage {s}"
+            need = f"{transient[s] / 2**30:.1f} GiB >= {have / 2**30:.1f} GiB"
+            return f"{what} on one micro-batch needs {need} on {where}"
     return _Setting(
         schedule=schedule,
         devices=devices,
@@ -204,7 +212,16 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
         ),
         capacities=[devices[schedule.rank_of(s)].memory / v - transient[s] for s in range(n_stages)],
         transient=transient,
+        recompute=recompute,
+        loss_extra=loss_extra,
     )
+
+
+def _working(costs: Sequence[LayerCost], layers: Sequence[int], recompute: float, loss: float) -> float:
+    """Bytes a stage of ``layers`` holds on top of its memory model while it computes one micro-batch: the most
+    that one of its layers holds for a moment (:attr:`LayerCost.working_bytes`) or, on the last stage, the loss;
+    with activation checkpointing also the layer it recomputes."""
+    return recompute + max([loss, *(costs[i].working_bytes for i in layers)])
 
 
 def _gib(need: float, have: float) -> tuple[str, str]:
@@ -270,7 +287,10 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     fixed = [memory.fixed_bytes(layers) for layers in rank_layers]
     acts = [
         sum(memory.stage_bytes(s, b[s], b[s + 1]) - memory.fixed_bytes(stage[s]) for s in sched.stages_of(r))
-        + max(setting.transient[s] for s in sched.stages_of(r))  # a rank computes one micro-batch at a time
+        + max(  # a rank computes one micro-batch at a time
+            _working(costs, stage[s], setting.recompute, setting.loss_extra if s == n_stages - 1 else 0.0)
+            for s in sched.stages_of(r)
+        )
         for r in range(pp)
     ]
     return dataclasses.replace(

@@ -300,14 +300,17 @@ def live_peak(config: TrainConfig) -> int:
     return live.peak
 
 
-@pytest.mark.parametrize(("stages", "schedule", "within"), [(1, "1f1b", 0.01), (2, "zero-bubble", 0.15)])
+@pytest.mark.parametrize(
+    ("stages", "schedule", "within"), [(1, "1f1b", 0.025), (2, "1f1b", 0.05), (2, "zero-bubble", 0.1)]
+)
 def test_each_rank_needs_the_memory_the_planner_predicts(stages: int, schedule: str, within: float) -> None:
-    # Weights, gradients, AdamW's moments, the activations of the micro-batches in flight, and the loss's working
-    # tensors (the logits, their log-softmax and the gradients of both): the planner counted only one of the
-    # loss's four logits-sized tensors, and came out 6 % short for one gpt-tiny stage (44 % for gpt-small on the
-    # H200). Zero-bubble keeps each micro-batch until its W, and from I to W the gradients W starts from: the
-    # planner took 1F1B's in flight, 56 % short. What is left between stages (the boundary tensors and transfer
-    # buffers, which the planner leaves out) is 7-12 % of gpt-tiny's.
+    # Weights, gradients, AdamW's moments, the activations of the micro-batches in flight, and what one micro-batch
+    # holds for a moment: the loss's tensors (the logits, their log-softmax and the gradients of both) or a layer's
+    # backward. The planner counted one of the loss's four logits-sized tensors and no layer's backward: 6 % short
+    # for one gpt-tiny stage (44 % for gpt-small on the H200), 11 % for 1F1B's first stage. Zero-bubble keeps each
+    # micro-batch until its W, and from I to W the gradients W starts from: the planner took 1F1B's in flight, 56 %
+    # short. It comes out 2 % over on one stage (a block's backward counted where the loss's is the peak) and up to
+    # 7.5 % short on two (the stage's output and the transfer buffers are left out).
     config = preset("gpt-tiny")
     model, sample, loss = config.build(device="meta"), config.example(8, 128), (config.loss, config.target(8, 128))
     work = workload(model, sample, global_batch=32, tokens_per_sample=128, loss=loss)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from stagewise.partition.attention import FLOP_FORMULAS, FusedAttentionOnMeta
 from stagewise.partition.layers import Layer, layers_of
+from stagewise.partition.live import LiveBytes
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ class LayerCost:
     use_bytes: int = 0
     """Bytes of the outputs of the ops that read a parameter, pooled linears aside: zero-bubble's input pass
     (I) keeps their gradients, one micro-batch's this much, for its weight pass (W)."""
+    working_bytes: int = 0
+    """Bytes the layer holds for a moment beyond what it saves while it computes one micro-batch: the gradient
+    of its output and of its input and the temporaries of its backward (its parameters' gradients aside), or
+    of its forward where those are more (:class:`~stagewise.partition.LiveBytes`, on meta too)."""
 
 
 def _tensors(value: object, where: str) -> tuple[torch.Tensor, ...]:
@@ -322,13 +327,20 @@ def profile(
         copy = _changes_its_input(work, _fresh(current, first=index == 0))
         inputs = _fresh(current, first=index == 0, copy=copy)
         in_storages = [t.untyped_storage() for t in _tensors(inputs, "sample")]
+        live = LiveBytes()
         with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack), FusedAttentionOnMeta(), pooled:
+            hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+            with hooks, FusedAttentionOnMeta(), pooled, live:
                 output = work(inputs)
             outs = _tensors(output, f"the output of layer {layer.name!r}")
             forward_flops = counter.get_total_flops()
-            _backward(output)
+            kept = live.current  # what the forward leaves: the saved tensors and the output
+            forward_extra, live.peak = live.peak - kept, kept
+            with live:
+                _backward(output)
             total_flops = counter.get_total_flops()
+        grads = sum(p.grad.untyped_storage().nbytes() for p in work.parameters() if p.grad is not None)
+        working = max(forward_extra, live.peak - kept - grads, 0)
         shared = sum(
             storage.nbytes()
             for storage, before in zip(in_storages, kept_outputs, strict=False)
@@ -351,6 +363,7 @@ def profile(
                 shared_bytes=shared,
                 pooled_bytes=pooled.total,
                 use_bytes=pooled.uses,
+                working_bytes=int(working),
             )
         )
         log.debug("profiled %s: %s", layer.name, costs[-1])

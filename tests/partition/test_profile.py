@@ -323,3 +323,12 @@ def test_use_bytes_count_the_outputs_whose_gradients_zero_bubbles_weight_pass_st
     assert [c.use_bytes for c in profile(model, torch.zeros(3, 4))] == [3 * 8 * 4, 3 * 8 * 4, 0, 3 * 600 * 4]
     pooled = profile(nn.Sequential(nn.Linear(4, 8)), torch.zeros(3, 4), pooled_min_elements=32)[0]
     assert (pooled.use_bytes, pooled.pooled_bytes) == (0, 3 * 4 * 4 + 3 * 8 * 4)
+
+
+def test_working_bytes_count_what_a_layers_backward_holds_for_a_moment() -> None:
+    # A layer's backward holds the gradient of its output and of its input at once (its parameters' gradients are
+    # counted with the parameters); the first layer's input is the data, which gets no gradient.
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 600))
+    costs = profile(model, torch.zeros(3, 4))
+    assert [c.working_bytes for c in costs] == [3 * 8 * 4, 2 * 3 * 8 * 4, 2 * 3 * 8 * 4, 3 * 600 * 4 + 3 * 8 * 4]
+    assert costs == profile(model.to("meta"), torch.zeros(3, 4, device="meta"))  # the same on meta
