@@ -109,8 +109,10 @@ def main() -> None:
         )
         layout, cluster = Option(pp, 1, 1, m, "1f1b", False), gpu_cluster() if gpu else GLOO
         option = evaluate(layout, work, cluster)
-        # What autograd saves, as measured: the planner's activations without the loss's working tensors.
-        saved = evaluate(layout, dataclasses.replace(work, loss_bytes=None), cluster).rank_activation
+        # What autograd saves, as measured: the planner's activations without what one micro-batch holds for a
+        # moment (the loss's tensors, a layer's backward).
+        held = tuple(dataclasses.replace(c, working_bytes=0) for c in work.costs)
+        saved = evaluate(layout, dataclasses.replace(work, costs=held, loss_bytes=None), cluster).rank_activation
         assert option.partition is not None, option.rejected
         config = TrainConfig(
             model=name, stages=pp, microbatches=m, batch_size=batch, seq_len=seq, steps=ns.steps, warmup=1,
