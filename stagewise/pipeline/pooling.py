@@ -107,6 +107,11 @@ def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[H
         seen.add((in_flight, pooled))  # a full pool is held while its flush computes
         if action.kind.is_backward and pool is not None and backwards % pool == 0:
             pooled = 0
+    return _undominated(seen)
+
+
+def _undominated(seen: set[tuple[int, int]]) -> tuple[Holding, ...]:
+    """The (in flight, pooled) counts that no other count exceeds in both, fewest in flight first."""
     top: list[tuple[int, int]] = []
     for a, b in sorted(seen, reverse=True):  # most in flight first: keep those with more pooled than any before
         if not top or b > top[-1][1]:
@@ -132,11 +137,7 @@ def _split_moments(actions: Sequence[Action], stage: int) -> tuple[Holding, ...]
         else:  # B: a backward that is not split
             in_flight -= 1
         seen.add((in_flight, waiting))
-    top: list[tuple[int, int]] = []
-    for a, b in sorted(seen, reverse=True):  # most in flight first: keep those waiting for W more than any before
-        if not top or b > top[-1][1]:
-            top.append((a, b))
-    return tuple(Holding(a, b) for a, b in reversed(top))
+    return _undominated(seen)
 
 
 def holdings(
