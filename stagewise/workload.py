@@ -90,11 +90,18 @@ def measure_optimizer(
 
 
 def measure_loss(
-    model: nn.Module, sample: Payload, loss: tuple[LossFn, Payload], device: torch.device, *, repeats: int = 5
+    model: nn.Module,
+    sample: Payload,
+    loss: tuple[LossFn, Payload],
+    device: torch.device,
+    *,
+    repeats: int = 5,
+    output: Payload | None = None,
 ) -> tuple[float, float]:
-    """Forward and backward seconds of ``loss_fn(output, target)`` on ``device`` (medians of ``repeats``)."""
+    """Forward and backward seconds of ``loss_fn(output, target)`` on ``device`` (medians of ``repeats``);
+    ``output``: the model's output for ``sample`` on the meta device, where already known."""
     loss_fn, target = loss
-    outputs = _to(_meta_output(model, sample), device, random=True)
+    outputs = _to(_meta_output(model, sample) if output is None else output, device, random=True)
     target = _to(target, device)
     forward, backward = [], []
     for _ in range(repeats + 1):
@@ -110,12 +117,15 @@ def measure_loss(
     return statistics.median(forward[1:]), statistics.median(backward[1:])
 
 
-def measure_loss_bytes(model: nn.Module, sample: Payload, loss: tuple[LossFn, Payload]) -> int | None:
+def measure_loss_bytes(
+    model: nn.Module, sample: Payload, loss: tuple[LossFn, Payload], *, output: Payload | None = None
+) -> int | None:
     """Bytes the loss's forward and backward hold at their fullest, with the model's output they read, counted
     on the meta device (:class:`~stagewise.partition.live.LiveBytes`); None where the loss cannot run there
-    (it reads values). For cross-entropy on logits: the logits, their log-softmax and the gradients of both."""
+    (it reads values). For cross-entropy on logits: the logits, their log-softmax and the gradients of both.
+    ``output`` as for :func:`measure_loss`."""
     loss_fn, target = loss
-    outputs = _to(_meta_output(model, sample), torch.device("meta"), fresh=True)
+    outputs = _to(_meta_output(model, sample) if output is None else output, torch.device("meta"), fresh=True)
     try:
         with LiveBytes() as live:
             torch.autograd.backward([loss_fn(outputs, _to(target, torch.device("meta")))])
@@ -175,6 +185,7 @@ def workload(
     batch = int(tensors[0].shape[0])
     per_param = None
     loss_seconds = (0.0, 0.0)
+    output = None if loss is None else _meta_output(model, sample)  # once, for both of the loss's measures
     if measure_on is not None:
         device = torch.device(measure_on)
         threads = torch.get_num_threads()
@@ -184,7 +195,7 @@ def workload(
             costs = profile(model, sample, time=True, device=device)
             per_param = measure_optimizer(device, kind=optimizer)
             if loss is not None:
-                loss_seconds = measure_loss(model, sample, loss, device)
+                loss_seconds = measure_loss(model, sample, loss, device, output=output)
         finally:
             torch.set_num_threads(threads)
     else:
@@ -199,7 +210,7 @@ def workload(
         state_multiplier=state_multiplier,
         optimizer_seconds_per_param=per_param,
         loss_seconds=loss_seconds,
-        loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss),
+        loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss, output=output),
     )
 
 
