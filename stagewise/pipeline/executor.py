@@ -330,7 +330,7 @@ class _Run:
         if self.targets is None or self.loss_fn is None:
             raise ValueError("the last stage needs targets and a loss_fn; pass targets to step() on its rank")
         loss = scalar_loss(self.loss_fn, slot.output, self.targets.parts[mb])
-        self.losses.append(loss.detach())
+        self.losses.append(loss.detach().clone())  # a loss that views the output may view a received buffer
         slot.loss = loss * self.targets.weights[mb]
         value = slot.loss.detach()
         self.total = value if self.total is None else self.total + value

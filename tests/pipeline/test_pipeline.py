@@ -103,8 +103,21 @@ def views_of_inputs() -> tuple[list[torch.Tensor], list[int]] | None:
     x = torch.arange(32.0).reshape(8, 4)
     loss = pipe.evaluate(x, x[:, :2] / 10)
     pipe.evaluate(x, x[:, :2] / 10)
+    # A loss that is a view of the output, itself a view of a received buffer: the losses kept must not change
+    # when a later run reuses that buffer.
+    torch.manual_seed(0)
+    viewing = Pipeline(torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half()), Partition.from_bounds((0, 1, 2, 3)),
+                       n_microbatches=4, loss_fn=first_value, mesh=pipe.mesh)  # fmt: skip
+    viewing.evaluate(x, x)
+    scored = viewing.last_result.microbatch_losses if viewing.last_result is not None else []
+    viewing.evaluate(x + 100, x)
     dist.destroy_process_group()
-    return None if first is None or second is None else ([kept, first, second, loss], HELD)
+    return None if first is None or second is None else ([kept, first, second, loss, torch.stack(scored)], HELD)
+
+
+def first_value(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The output's first value: a view of it."""
+    return out[0, 0]
 
 
 def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
@@ -113,12 +126,13 @@ def test_predict_keeps_outputs_that_are_views_of_received_buffers() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half())
     x = torch.arange(32.0).reshape(8, 4)
-    (kept, first, second, loss), held = run_ranks(views_of_inputs, 3)[2]  # type: ignore[misc]
+    (kept, first, second, loss, scored), held = run_ranks(views_of_inputs, 3)[2]  # type: ignore[misc]
     with torch.no_grad():  # micro-batched GEMMs round differently from the whole batch's (up to 2e-6 here)
         torch.testing.assert_close(first, model(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(first, kept, atol=0, rtol=0)
         torch.testing.assert_close(second, model(x + 1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(loss, mse(model(x), x[:, :2] / 10), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(scored, model(x)[::2, 0], atol=1e-5, rtol=1e-5)  # each micro-batch's first row
     # evaluate() scores each micro-batch's output as it arrives and keeps none: it held all of them until the
     # last was scored, and the pipeline held the last evaluation's while the next ran (a language model's logits,
     # 2 x n_microbatches of them, made its peak memory).
