@@ -17,7 +17,7 @@ from stagewise.cluster import Cluster, Device, parse_devices
 from stagewise.comm import Payload
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.partition import Layer, layers_of
-from stagewise.partition.profile import _materialise
+from stagewise.partition.profile import working_copy
 from stagewise.pipeline import render
 from stagewise.planner import Plan, plan
 from stagewise.units import format_bytes, parse_bytes
@@ -145,7 +145,7 @@ def _run_on(ns: argparse.Namespace, layers: Sequence[Layer], inputs: Payload, de
     like ``inputs``; refuse the input shape with the reason when one fails."""
     current = _zeros(inputs, device)
     for layer in layers:
-        work = _materialise(layer.module, device)
+        work = working_copy(layer.module, device)
         try:
             with torch.no_grad():
                 current = work(current)

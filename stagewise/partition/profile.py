@@ -216,8 +216,8 @@ def _device_of(module: nn.Module) -> torch.device | None:
     return None
 
 
-def _materialise(module: nn.Module, device: torch.device) -> nn.Module:
-    """A private copy of ``module`` on ``device``; a meta module gets fresh values."""
+def working_copy(module: nn.Module, device: torch.device) -> nn.Module:
+    """A private copy of ``module`` on ``device``, as profiling runs each layer; a meta module gets fresh values."""
     work = copy.deepcopy(module)
     if _device_of(module) == torch.device("meta") and device.type != "meta":
         work.to_empty(device=device)
@@ -320,7 +320,7 @@ def profile(
     costs: list[LayerCost] = []
     kept_outputs: list[bool] = []  # which of the previous layer's output tensors it saved for backward
     for index, layer in enumerate(tqdm(layers, desc="profiling", disable=not progress, unit="layer")):
-        work = _materialise(layer.module, target)
+        work = working_copy(layer.module, target)
         # Training's costs; a segment traced in eval mode runs only as traced.
         work.train(work.traced_training if isinstance(work, Segment) else True)
         saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
