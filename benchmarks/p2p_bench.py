@@ -2,9 +2,10 @@
 
 For each size, rank 0 sends a float32 tensor to rank 1, which sends it back;
 the round trip of stagewise.comm.Transport (metadata, batched non-blocking
-ops, reused receive buffers, on a dedicated group as Pipeline uses it) is
-compared with dist.send/dist.recv of the same tensors into preallocated
-buffers. The variants are timed in blocks in the same processes, in an
+ops, reused receive buffers, on a dedicated group as Pipeline uses it: through
+shared memory, as both ranks share a host) is compared with dist.send/dist.recv
+of the same tensors into preallocated buffers, and with the same Transport
+kept on gloo (``shared_memory=False``). The variants are timed in blocks in the same processes, in an
 order that rotates; ``ratio`` is the median over repeats of ours / raw of the
 same repeat, which cancels most of the drift of a shared machine. One
 JSON line per size. ``pipeline_*`` is the round trip as the pipeline makes it:
@@ -12,7 +13,7 @@ the activation with its metadata protocol, the gradient back without
 metadata (the receiver knows its layout).
 
 
-    python benchmarks/p2p_bench.py [--repeats 30] [--sizes-kib 64,256,1024,4096,16384,65536]
+    python benchmarks/p2p_bench.py [--repeats 60] [--sizes-kib 8,64,256,1024,4096,16384,65536]
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
     mesh = init_mesh(2, timeout=120)
     rank = mesh.rank
     transport = Transport(timeout=120, dedicated=True)  # as Pipeline makes it
+    over_gloo = Transport(timeout=120, dedicated=True, shared_memory=False)
     rows = []
     for kib in sizes_kib:
         t = torch.randn(kib * 1024 // 4)
@@ -78,20 +80,25 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
         raw: list[float] = []
         ours: list[float] = []
         piped: list[float] = []
+        gloo: list[float] = []
         ratios: list[float] = []
         piped_ratios: list[float] = []
+        gloo_ratios: list[float] = []
         for _ in range(3):  # warm-up both paths
             _raw_round_trip(t, buf, rank)
             _ours_round_trip(transport, t, rank)
             _pipeline_round_trip(transport, t, rank)
+            _pipeline_round_trip(over_gloo, t, rank)
         variants = [
             (functools.partial(_raw_round_trip, t, buf, rank), raw),
             (functools.partial(_ours_round_trip, transport, t, rank), ours),
             (functools.partial(_pipeline_round_trip, transport, t, rank), piped),
+            (functools.partial(_pipeline_round_trip, over_gloo, t, rank), gloo),
         ]
         for repeat in range(repeats):
             # Rotate which variant runs first after the barrier, so no variant always pays for it.
-            for fn, out in variants[repeat % 3 :] + variants[: repeat % 3]:
+            turn = repeat % len(variants)
+            for fn, out in variants[turn:] + variants[:turn]:
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(block):
@@ -99,6 +106,7 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
                 out.append((time.perf_counter() - start) / block)
             ratios.append(ours[-1] / raw[-1])
             piped_ratios.append(piped[-1] / raw[-1])
+            gloo_ratios.append(gloo[-1] / raw[-1])
         rows.append(
             {
                 "bytes": kib * 1024,
@@ -107,8 +115,12 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
                 "paired_ratio": statistics.median(ratios),
                 "pipeline_ms": statistics.median(piped) * 1e3,
                 "pipeline_ratio": statistics.median(piped_ratios),
+                "gloo_pipeline_ms": statistics.median(gloo) * 1e3,
+                "gloo_pipeline_ratio": statistics.median(gloo_ratios),
             }
         )
+    transport.close()
+    over_gloo.close()
     dist.destroy_process_group()
     return rows
 
@@ -117,7 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--block", type=int, default=10, help="round trips per timed block")
-    parser.add_argument("--sizes-kib", default="64,256,1024,4096,16384,65536")
+    parser.add_argument("--sizes-kib", default="8,64,256,1024,4096,16384,65536")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes_kib.split(",")]
     rows = launch(worker, 2, sizes, args.repeats, args.block)[0]
@@ -134,6 +146,8 @@ def main() -> None:
                     "overhead_pct": round(100 * (ratio - 1), 1),
                     "pipeline_ms": round(row["pipeline_ms"], 4),
                     "pipeline_ratio": round(row["pipeline_ratio"], 3),
+                    "gloo_pipeline_ms": round(row["gloo_pipeline_ms"], 4),
+                    "gloo_pipeline_ratio": round(row["gloo_pipeline_ratio"], 3),
                 }
             ),
             flush=True,

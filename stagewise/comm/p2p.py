@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from datetime import timedelta
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from stagewise.comm.meta import TensorMeta, encode
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors, has_bytes
 from stagewise.comm.receiving import Channel, Receiving
-from stagewise.comm.waits import Pending, seconds, wait_for
+from stagewise.comm.shm import SharedMemoryWire, connect_shared_memory
+from stagewise.comm.waits import Pending, Work, seconds, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,13 @@ class Transport:
     receiver reads the standing control buffer to learn whether it got data
     or a stand-in.
 
+    A dedicated transport on the CPU whose ranks share memory (one host, and
+    ``/dev/shm`` visible to all) carries its messages through shared memory
+    instead (:class:`~stagewise.comm.shm.SharedMemoryWire`): the same
+    protocol, with no gloo threads or sockets in the way. ``shared_memory``
+    None does so where it can (unless the environment variable
+    ``STAGEWISE_SHARED_MEMORY`` is ``0``), True insists, False keeps gloo.
+
     Received tensors that required grad on the sender require grad here; integer
     and boolean tensors never do. ``release`` hands received tensors back for
     reuse by later receives of the same dtype and shape (a few each, for the
@@ -81,6 +90,7 @@ class Transport:
         dedicated: bool = False,
         streams: int = 1,
         separate_streams: bool | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Transport needs an initialised process group; call stagewise.comm.init_mesh first")
@@ -95,9 +105,27 @@ class Transport:
         """Steady streams drop their control words (gloo, on a group of this transport's own)."""
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self._peers = frozenset(range(dist.get_world_size()) if ranks is None else ranks)
+        if shared_memory and not (self.standing and self.device.type == "cpu"):
+            raise ValueError(
+                f"shared_memory=True needs a dedicated transport on the CPU over gloo; this one is "
+                f"dedicated={dedicated} on {self.device} over {backend}"
+            )
         if self.standing:
             group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
         self.group = group
+        self.wire: SharedMemoryWire | None = None
+        """The shared-memory wire that carries the messages, or None: the process group does."""
+        wanted = os.environ.get("STAGEWISE_SHARED_MEMORY", "1") != "0" if shared_memory is None else shared_memory
+        if self.standing and self.device.type == "cpu" and wanted:
+            assert group is not None
+            self.wire = connect_shared_memory(group, self.rank)
+            if self.wire is None and shared_memory:
+                dist.destroy_process_group(group)
+                raise RuntimeError(
+                    f"rank {self.rank}: shared_memory=True, but not every rank of the transport can reach the "
+                    "others' shared memory (other hosts, or containers that do not share /dev/shm); pass "
+                    "shared_memory=None to fall back to gloo"
+                )
         self.streams = streams
         separate = streams > 1 and (not self.speculate if separate_streams is None else separate_streams)
         self._stream_groups: list[dist.ProcessGroup | None] = (
@@ -137,12 +165,15 @@ class Transport:
                 f"use 0 .. {self.streams - 1}, or create the Transport with streams={stream + 1}"
             )
 
-    def _post(self, ops: list[dist.P2POp]) -> list[dist.Work]:
+    def _post(self, ops: list[dist.P2POp]) -> list[Work]:
         """Post ``ops`` in order: one coalesced batch where the backend batches (NCCL), else one by one."""
         if not ops:
             return []
+        wire = self.wire
+        if wire is not None:
+            return [(wire.isend if op.op is dist.isend else wire.irecv)(op.tensor, op.peer, op.tag) for op in ops]
         if self._coalesces:
-            return dist.batch_isend_irecv(ops)
+            return list(dist.batch_isend_irecv(ops))
         return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]  # what batch_isend_irecv does for gloo
 
     def send(self, payload: Payload, to: int, *, what: str, stream: int = 0, known: bool = False) -> Pending:
@@ -234,8 +265,17 @@ class Transport:
             self._stream_groups = []
             if self.standing:
                 self.group = None  # the group's threads and sockets go with the last reference to it
+            if self.wire is not None:
+                self.wire.close()
             for group in own:
                 dist.destroy_process_group(group)
+
+    def abandon(self) -> None:
+        """After an error mid-exchange: close the shared-memory wire, if any, so that peers blocked on this rank
+        fail at once (:class:`PeerGoneError`) as they do when a gloo group goes, rather than at their timeout.
+        Over shared memory the transport exchanges nothing after; over gloo this does nothing."""
+        if self.wire is not None:
+            self.wire.close()
 
     def wait_sends(self) -> None:
         """Wait for every send posted so far (bounded by the timeout each)."""
@@ -270,7 +310,7 @@ class Transport:
     def _receive(self, tensors: Sequence[torch.Tensor], src: int, tag: int, what: str) -> None:
         self._wait_all(self._post(self._ops(dist.irecv, tensors, src, tag)), src, what)
 
-    def _wait_all(self, works: Sequence[dist.Work], src: int, what: str) -> None:
+    def _wait_all(self, works: Sequence[Work], src: int, what: str) -> None:
         for work in works:
             wait_for(work, rank=self.rank, peer=src, what=what, timeout=self.timeout, sending=False)
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from stagewise.comm.errors import CommError
 from stagewise.comm.meta import decode
 from stagewise.comm.payload import Payload, PayloadLayout, has_bytes
+from stagewise.comm.waits import Work
 
 if TYPE_CHECKING:
     from stagewise.comm.p2p import Transport
@@ -28,7 +29,7 @@ class Channel:
     """Messages so far; each control word carries its message's number."""
     standing: torch.Tensor | None = None
     """Receiver, gloo, stable: the buffer of the control receive left posted for the next change of layout."""
-    standing_work: dist.Work | None = None
+    standing_work: Work | None = None
     notice: tuple[int, int] | None = None
     """Receiver: a change of layout announced for a later message, (its number, metadata length)."""
 
@@ -49,7 +50,7 @@ class Receiving:
         self.buffers: list[torch.Tensor] = []
         self.result: Payload | None = None
         self.control = _NO_CONTROL  # a buffer only where a control word is awaited with this message
-        self.control_work: dist.Work | None = None
+        self.control_work: Work | None = None
         if expect is not None:
             self.buffers = [t._take(m) for m in expect[1]]
             self.data_works = t._post(t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))

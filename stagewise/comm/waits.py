@@ -5,11 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from stagewise.comm.errors import CommTimeoutError, PeerGoneError, first_line, timed_out
+
+
+class Work(Protocol):
+    """A posted transfer, as ``dist.Work`` or the shared-memory wire's: ``wait`` is True once it completed."""
+
+    def wait(self, timeout: timedelta = ...) -> bool: ...
 
 
 def seconds(timeout: float | timedelta) -> timedelta:
@@ -24,7 +30,7 @@ def seconds(timeout: float | timedelta) -> timedelta:
 class Pending:
     """Sends in flight; :meth:`wait` bounds the wait by the transport's timeout."""
 
-    works: list[dist.Work]
+    works: list[Work]
     rank: int
     peer: int
     what: str
@@ -42,7 +48,7 @@ class Pending:
         self.works, self.keep = [], []
 
 
-def wait_for(work: dist.Work, *, rank: int, peer: int, what: str, timeout: timedelta, sending: bool) -> None:
+def wait_for(work: Work, *, rank: int, peer: int, what: str, timeout: timedelta, sending: bool) -> None:
     """Wait for ``work`` up to ``timeout``; a timeout or a lost peer is an error naming both ranks and ``what``."""
     verb, direction = ("sending", "to") if sending else ("waiting for", "from")
     try:

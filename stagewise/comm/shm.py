@@ -1,0 +1,332 @@
+"""A shared-memory wire between the ranks of one host: point-to-point messages without gloo's threads or sockets."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import selectors
+import shutil
+import struct
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+_RECORD = struct.Struct("<qqqq")  # kind, segment, tag, bytes
+_MESSAGE, _FREED = 1, 2
+_ATOMIC = 4096 // _RECORD.size * _RECORD.size  # a pipe write of at most PIPE_BUF bytes is never split
+_SMALLEST = 4096  # segment sizes are powers of two from here
+
+
+class WireWork:
+    """One posted send or receive; :meth:`wait` drives the wire until it completes (see ``dist.Work.wait``)."""
+
+    __slots__ = ("done", "peer", "wire")
+
+    def __init__(self, wire: SharedMemoryWire, peer: int) -> None:
+        self.wire, self.peer, self.done = wire, peer, False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """True once complete; False when ``timeout`` passed first; a lost peer raises RuntimeError."""
+        if self.done:
+            return True
+        seconds = 300.0 if timeout is None else timeout.total_seconds()
+        return self.wire.progress(self, time.monotonic() + seconds)
+
+
+class SharedMemoryWire:
+    """Point-to-point messages between the ranks of one host through shared memory.
+
+    Each message is copied into a segment of shared memory (a file under
+    ``/dev/shm``, mapped by both ranks) and announced by a 32-byte record on
+    a named pipe from the sender to the receiver, which copies it out and
+    answers with a record that frees the segment for the sender's next
+    message of that size. Everything runs in the calling thread, when it
+    posts or waits: there are no background threads to compete with the
+    compute for the cores, and a rank blocked in a wait sleeps in the kernel
+    until a record arrives. The pipes' system calls order the copies on
+    every architecture.
+
+    Messages match receives as gloo matches them: per (peer, tag), in the
+    order both sides post them. A message that arrives before its receive is
+    posted waits in its segment, as gloo leaves it with the sender. A send
+    completes once the receiver has copied its data out, so waiting for sends
+    means what it means on gloo.
+    Segments are kept for reuse, powers of two in size, so a rank holds
+    about the most it ever had in flight to each peer.
+    """
+
+    def __init__(self, rank: int, peers: Sequence[int], folders: dict[int, Path]) -> None:
+        self.rank = rank
+        self.folder = folders[rank]
+        self.peers = list(peers)
+        self._folders = folders
+        self._out: dict[int, int] = {}
+        self._in: dict[int, int] = {}
+        self._peer_of: dict[int, int] = {}
+        self._selector = selectors.DefaultSelector()
+        self._gone: set[int] = set()
+        self._next_segment = 0
+        self._segments: dict[int, torch.Tensor] = {}
+        """This rank's segments, by number."""
+        self._idle: dict[tuple[int, int], list[int]] = {}
+        """Segments free for the next message, by (peer, size): a segment serves one peer, which alone maps it."""
+        self._sending: dict[tuple[int, int], tuple[int, WireWork]] = {}
+        """(peer, segment) of each send in flight: the segment's size, and the work that completes when freed."""
+        self._mapped: dict[tuple[int, int], torch.Tensor] = {}
+        """Peers' segments mapped here, by (peer, segment)."""
+        self._posted: dict[tuple[int, int], deque[tuple[torch.Tensor, WireWork]]] = {}
+        self._early: dict[tuple[int, int], deque[tuple[int, torch.Tensor]]] = {}
+        """Messages that arrived before their receive was posted, by (peer, tag): each segment's number and data,
+        left in the sender's segment (as gloo leaves it with the sender) until the receive is posted."""
+        self._partial: dict[int, bytes] = {}
+        self.closed = False
+
+    @property
+    def segments(self) -> int:
+        """How many segments this rank has made for its sends (each is reused once its message was received)."""
+        return self._next_segment
+
+    def connect(self, barrier: Callable[[], None]) -> None:
+        """Open the pipes to and from every peer: collective, with ``barrier`` between the steps."""
+        for peer in self.peers:
+            os.mkfifo(self.folder / f"bell-{peer}", 0o600)
+        barrier()
+        for peer in self.peers:  # read ends first: a writer's non-blocking open needs a reader
+            fd = os.open(self._folders[peer] / f"bell-{self.rank}", os.O_RDONLY | os.O_NONBLOCK)
+            self._in[peer], self._peer_of[fd] = fd, peer
+            self._selector.register(fd, selectors.EVENT_READ)
+        barrier()
+        for peer in self.peers:
+            self._out[peer] = os.open(self.folder / f"bell-{peer}", os.O_WRONLY | os.O_NONBLOCK)
+        barrier()  # every pipe open at both ends before any rank may close its own (a writer's open would fail)
+        for peer in self.peers:
+            os.unlink(self.folder / f"bell-{peer}")
+
+    # Posting.
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> WireWork:
+        """Copy ``tensor`` (contiguous) into a segment and announce it to ``peer``."""
+        self._check(peer)
+        data = _bytes_of(tensor)
+        number = self._segment(peer, data.numel())
+        segment = self._segments[number]
+        segment[: data.numel()].copy_(data)
+        work = WireWork(self, peer)
+        self._sending[(peer, number)] = (segment.numel(), work)
+        self._write(peer, _RECORD.pack(_MESSAGE, number, tag, data.numel()))
+        return work
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> WireWork:
+        """Post a receive into ``tensor`` (contiguous) of ``peer``'s next message on ``tag``."""
+        self._check(peer)
+        work = WireWork(self, peer)
+        early = self._early.get((peer, tag))
+        if early:
+            number, source = early.popleft()
+            self._deliver(source, tensor, peer, tag)
+            self._write(peer, _RECORD.pack(_FREED, number, 0, 0))
+            work.done = True
+        else:
+            self._posted.setdefault((peer, tag), deque()).append((tensor, work))
+        return work
+
+    def _check(self, peer: int) -> None:
+        if self.closed:
+            raise RuntimeError(f"rank {self.rank}'s shared-memory wire is closed")
+        if peer in self._gone:
+            raise RuntimeError(_gone(peer))
+
+    def _segment(self, peer: int, nbytes: int) -> int:
+        size = max(_SMALLEST, 1 << max(nbytes - 1, 0).bit_length())
+        idle = self._idle.get((peer, size))
+        if idle:
+            return idle.pop()
+        number, self._next_segment = self._next_segment, self._next_segment + 1
+        path = self.folder / f"segment-{number}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Reserve the memory now: a sparse file on a full tmpfs would fail later, on a page, with SIGBUS.
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:
+                os.ftruncate(fd, size)
+        except OSError as err:
+            os.unlink(path)
+            free = shutil.disk_usage(self.folder).free
+            raise RuntimeError(
+                f"rank {self.rank} cannot reserve {_size(size)} of shared memory in {self.folder} "
+                f"({_size(free)} free: {err.strerror}); give the host more shared memory (docker: "
+                "--shm-size), or send through gloo: set STAGEWISE_SHARED_MEMORY=0 (Transport: shared_memory=False)"
+            ) from err
+        finally:
+            os.close(fd)
+        self._segments[number] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        return number
+
+    # Progress.
+
+    def progress(self, work: WireWork, deadline: float) -> bool:
+        """Handle records until ``work`` completes (True) or ``deadline`` (``time.monotonic``) passes (False)."""
+        while not work.done:
+            if work.peer in self._gone:
+                raise RuntimeError(f"{_gone(work.peer)} before this transfer completed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for key, _ in self._selector.select(remaining):
+                self._drain(int(key.fd))
+        return True
+
+    def _drain(self, fd: int) -> None:
+        """Handle every record waiting on ``fd``: deliver messages, free acknowledged segments."""
+        peer = self._peer_of[fd]
+        try:
+            chunk = os.read(fd, 64 * _RECORD.size)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self._gone.add(peer)
+            self._selector.unregister(fd)
+            return
+        data = self._partial.pop(peer, b"") + chunk
+        whole = len(data) - len(data) % _RECORD.size
+        if whole < len(data):
+            self._partial[peer] = data[whole:]
+        freed = []
+        for kind, number, tag, nbytes in _RECORD.iter_unpack(data[:whole]):
+            if kind == _FREED:
+                size, work = self._sending.pop((peer, number))
+                self._idle.setdefault((peer, size), []).append(number)
+                work.done = True
+                continue
+            source = self._map(peer, number, nbytes)[:nbytes]
+            posted = self._posted.get((peer, tag))
+            if posted:
+                tensor, work = posted.popleft()
+                self._deliver(source, tensor, peer, tag)
+                work.done = True
+            else:
+                self._early.setdefault((peer, tag), deque()).append((number, source))
+                continue
+            freed.append(_RECORD.pack(_FREED, number, 0, 0))
+        if freed:
+            self._write(peer, b"".join(freed))
+
+    def _map(self, peer: int, number: int, nbytes: int) -> torch.Tensor:
+        segment = self._mapped.get((peer, number))
+        if segment is None or segment.numel() < nbytes:
+            path = self._folders[peer] / f"segment-{number}"
+            try:
+                with open(path, "r+b") as file:
+                    # The sender's memory, mapped: no allocation of this rank's (torch.from_file would count as one).
+                    segment = torch.frombuffer(mmap.mmap(file.fileno(), 0), dtype=torch.uint8)
+            except OSError as err:
+                raise RuntimeError(f"rank {peer}'s shared-memory segment {path} is gone ({err})") from err
+            path.unlink(missing_ok=True)  # both ranks have it mapped: nothing is left behind if one dies
+            self._mapped[(peer, number)] = segment
+        return segment
+
+    def _deliver(self, source: torch.Tensor, tensor: torch.Tensor, peer: int, tag: int) -> None:
+        target = _bytes_of(tensor)
+        if target.numel() != source.numel():
+            raise RuntimeError(
+                f"rank {peer} sent {source.numel()} bytes on tag {tag} where rank {self.rank} posted a receive of "
+                f"{target.numel()}; both sides must exchange messages in the same order"
+            )
+        target.copy_(source)
+
+    def _write(self, peer: int, records: bytes) -> None:
+        """Write ``records`` to ``peer``'s pipe, handling incoming records while it is full."""
+        fd = self._out[peer]
+        view = memoryview(records)
+        while view:
+            try:
+                written = os.write(fd, view[:_ATOMIC])
+            except BlockingIOError:  # the peer has not read for a while: serve our side meanwhile
+                for key, _ in self._selector.select(0.001):
+                    self._drain(int(key.fd))
+                continue
+            except BrokenPipeError as err:
+                self._gone.add(peer)
+                raise RuntimeError(_gone(peer)) from err
+            view = view[written:]
+
+    def close(self) -> None:
+        """Close the pipes and drop the segments; removes this rank's folder. Closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self._selector.close()
+        for fd in (*self._in.values(), *self._out.values()):
+            os.close(fd)
+        self._segments.clear()
+        self._mapped.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def _gone(peer: int) -> str:
+    return f"rank {peer} closed its shared-memory wire (Connection closed: it exited or closed its transport)"
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's memory as a flat uint8 tensor (a view)."""
+    flat = tensor.detach().reshape(-1)
+    return flat.view(torch.uint8) if flat.dtype is not torch.uint8 else flat
+
+
+def _shared_folder() -> Path:
+    """A fresh folder for this rank's pipes and segments: on /dev/shm (memory) where there is one."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return Path(tempfile.mkdtemp(prefix="stagewise-", dir=base))
+
+
+def connect_shared_memory(group: dist.ProcessGroup, rank: int) -> SharedMemoryWire | None:
+    """A wire between the ranks of ``group`` (collective), or None where some pair of them shares no memory.
+
+    Each rank makes a folder with a random token in it; the wire is made
+    only if every rank can read every other's token, so ranks on other
+    hosts, or in containers that do not share ``/dev/shm``, keep gloo.
+    """
+    if not hasattr(os, "mkfifo"):
+        return None
+    folder = _shared_folder()
+    token = secrets.token_hex(16)
+    (folder / "token").write_text(token)
+    everyone: list[tuple[int, str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (rank, str(folder), token), group=group)
+    folders = {r: Path(f) for r, f, _ in everyone}  # type: ignore[misc]
+    readable = all(_reads(Path(f) / "token", t) for _, f, t in everyone)  # type: ignore[misc]
+    votes: list[bool | None] = [None] * len(everyone)
+    dist.all_gather_object(votes, readable, group=group)
+    if not all(votes):
+        shutil.rmtree(folder, ignore_errors=True)
+        log.info("rank %d: not every rank of the transport shares memory with the others; using gloo", rank)
+        return None
+    wire = SharedMemoryWire(rank, [r for r in folders if r != rank], folders)
+    try:
+        wire.connect(lambda: dist.barrier(group=group))
+    except BaseException:
+        wire.close()
+        raise
+    return wire
+
+
+def _reads(path: Path, token: str) -> bool:
+    try:
+        return path.read_text() == token
+    except OSError:
+        return False

@@ -1,0 +1,218 @@
+"""The shared-memory wire: gloo's matching by (peer, tag), exact bytes, reused segments, no leftovers, no hangs."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
+
+from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh
+from stagewise.comm import shm as shm_module
+from stagewise.comm.shm import connect_shared_memory
+
+SIZES = [1, 3, 17, 4096, 4097, 70_000, 5 * 2**20 // 4]  # float32 elements: below, at and above segment sizes
+
+
+def _message(tag: int, i: int) -> torch.Tensor:
+    n = SIZES[(tag + i) % len(SIZES)]
+    g = torch.Generator().manual_seed(1000 * tag + i)
+    return torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int32).view(torch.float32)  # any bits
+
+
+def matching() -> dict[str, object]:
+    """Rank 0 sends 3 tags interleaved; rank 1 posts them per tag in another order, some after they landed."""
+    init_mesh(2, timeout=30)
+    group = dist.new_group([0, 1], backend="gloo")
+    wire = connect_shared_memory(group, dist.get_rank())
+    assert wire is not None
+    rounds, tags = 6, (0, 1, 2)
+    if dist.get_rank() == 0:
+        sent = [wire.isend(_message(tag, i), 1, tag) for i in range(rounds) for tag in tags]
+        for work in sent:
+            assert work.wait()
+        dist.barrier(group)
+        # Sends waited for: their segments came back, so a second round of the same sizes makes none.
+        made = wire.segments
+        again = [wire.isend(_message(tag, i), 1, tag) for i in range(rounds) for tag in tags]
+        for work in again:
+            assert work.wait()
+        files = sorted(p.name for p in wire.folder.iterdir())
+        wire.close()
+        return {"segments": made, "after": wire.segments, "files": files, "gone": not wire.folder.exists()}
+    time.sleep(0.3)  # the first messages land before any receive is posted
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    posted = []
+    for tag in (2, 0, 1):  # tag by tag: the others' messages wait in copies of their own
+        for i in range(rounds):
+            buffer = torch.empty_like(_message(tag, i))
+            posted.append((tag, i, buffer, wire.irecv(buffer, 0, tag)))
+    for tag, i, buffer, work in posted:
+        assert work.wait()
+        got[(tag, i)] = buffer
+    dist.barrier(group)
+    for i in range(rounds):
+        for tag in tags:
+            buffer = torch.empty_like(_message(tag, i))
+            assert wire.irecv(buffer, 0, tag).wait()
+            assert torch.equal(buffer.view(torch.int32), _message(tag, i).view(torch.int32))
+    exact = all(torch.equal(b.view(torch.int32), _message(t, i).view(torch.int32)) for (t, i), b in got.items())
+    wire.close()
+    return {"exact": exact, "received": len(got)}
+
+
+def test_messages_match_receives_per_tag_in_order_and_segments_are_reused() -> None:
+    out = run_ranks(matching, 2)
+    assert out[1] == {"exact": True, "received": 18}
+    sender = out[0]
+    assert sender["after"] == sender["segments"]  # nothing new for the second round
+    assert sender["segments"] <= 18
+    # The receiver unlinks each segment once it has mapped it: only the token file is left, and close removes it.
+    assert sender["files"] == ["token"]
+    assert sender["gone"]
+
+
+def alternating() -> bool:
+    """Rank 1 sends messages of one size to ranks 0 and 2 by turns, each received before the next is sent."""
+    init_mesh(3, timeout=30)
+    group = dist.new_group([0, 1, 2], backend="gloo")
+    wire = connect_shared_memory(group, dist.get_rank())
+    assert wire is not None
+    ok = True
+    for i in range(6):
+        peer = 2 * (i % 2)
+        if dist.get_rank() == 1:
+            assert wire.isend(torch.full((64,), float(i)), peer, 0).wait()
+        elif dist.get_rank() == peer:
+            buffer = torch.empty(64)
+            assert wire.irecv(buffer, 1, 0).wait()
+            ok = ok and bool((buffer == i).all())
+        dist.barrier(group)
+    wire.close()
+    return ok
+
+
+def test_a_segment_freed_by_one_peer_is_not_sent_to_another() -> None:
+    # Each receiver maps (and unlinks) only the segments sent to it: one reused for another peer would be gone there.
+    assert run_ranks(alternating, 3) == {0: True, 1: True, 2: True}
+
+
+def transport_round_trip(shared_memory: bool | None, hide: bool) -> tuple[bool, bool]:
+    """An echo through a dedicated Transport; ``hide`` makes rank 1 unable to read rank 0's folder."""
+    if hide and int(os.environ["RANK"]) == 1:
+        shm_module._reads = lambda path, token: False  # type: ignore[assignment]
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True, shared_memory=shared_memory)
+    x = torch.arange(12.0).reshape(3, 4).requires_grad_()
+    if dist.get_rank() == 0:
+        transport.send(x, 1, what="x")
+        back = transport.recv(1, what="back")
+    else:
+        back = transport.recv(0, what="x")
+        transport.send(back, 0, what="back")
+    transport.wait_sends()
+    used = transport.wire is not None
+    transport.close()
+    return used, bool(torch.equal(back, x.detach())) and back.requires_grad
+
+
+CASES = [(None, False, True), (False, False, False), (None, True, False)]
+
+
+@pytest.mark.parametrize(("shared_memory", "hide", "used"), CASES)
+def test_a_dedicated_transport_uses_shared_memory_only_where_every_rank_reaches_it(
+    shared_memory: bool | None, hide: bool, used: bool
+) -> None:
+    assert run_ranks(transport_round_trip, 2, shared_memory, hide) == {0: (used, True), 1: (used, True)}
+
+
+def insisting() -> tuple[str, str]:
+    if int(os.environ["RANK"]) == 1:
+        shm_module._reads = lambda path, token: False  # type: ignore[assignment]
+    init_mesh(2, timeout=30)
+    messages = []
+    for dedicated in (False, True):
+        try:
+            Transport(timeout=30, dedicated=dedicated, shared_memory=True)
+            messages.append("no error")
+        except (RuntimeError, ValueError) as err:
+            messages.append(f"{type(err).__name__}: {err}")
+    return messages[0], messages[1]
+
+
+def test_insisting_on_shared_memory_where_it_cannot_be_says_why() -> None:
+    refused, unshared = run_ranks(insisting, 2)[0]
+    assert refused.startswith("ValueError: shared_memory=True needs a dedicated transport on the CPU"), refused
+    assert unshared.startswith(
+        "RuntimeError: rank 0: shared_memory=True, but not every rank of the transport can reach"
+    ), unshared
+
+
+def stall_then_die(report: str) -> None:
+    init_mesh(2, timeout=60)
+    transport = Transport(timeout=1.0, dedicated=True)
+    assert transport.wire is not None
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(2.0)  # alive past rank 0's timeout, then gone
+        os.kill(os.getpid(), signal.SIGKILL)
+    lines = []
+    start = time.perf_counter()
+    try:
+        transport.recv(1, what="the activation of micro-batch 3")
+    except CommTimeoutError as err:
+        lines.append(f"{err} [after {time.perf_counter() - start:.1f} s]")
+    transport.timeout = transport.timeout * 20
+    time.sleep(1.5)
+    start = time.perf_counter()
+    try:
+        transport.recv(1, what="the gradient of micro-batch 0")
+    except PeerGoneError as err:
+        lines.append(f"{err} [after {time.perf_counter() - start:.1f} s]")
+        raise
+    finally:
+        Path(report).write_text("\n".join(lines))  # before raising: the agent may stop this rank first
+
+
+def test_over_shared_memory_a_stalled_peer_times_out_and_a_killed_one_is_named(tmp_path: Path) -> None:
+    report = tmp_path / "survivor.txt"
+    with pytest.raises(LaunchError):
+        run_ranks(stall_then_die, 2, str(report), monitor_interval=5.0, timeout=90)
+    stalled, killed = report.read_text().splitlines()
+    assert stalled.startswith(
+        "rank 0 timed out after 1 s waiting for the activation of micro-batch 3 (control word) from rank 1"
+    ), stalled
+    assert killed.startswith("rank 0 lost rank 1 while waiting for the gradient of micro-batch 0"), killed
+    assert float(killed.rsplit("[after ", 1)[1].split(" s]")[0]) < 1.0  # at once, not after the 20 s timeout
+
+
+def no_room() -> str:
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True)
+    message = "no error"
+    if dist.get_rank() == 0:
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.posix_fallocate = full
+        try:
+            transport.send(torch.zeros(2**18), 1, what="x")
+        except RuntimeError as err:
+            message = str(err)
+    transport.close()
+    return message
+
+
+def test_shared_memory_that_runs_out_is_an_error_that_names_the_fixes() -> None:
+    message = run_ranks(no_room, 2)[0]
+    # The first segment it needs is the control word's, of the smallest size.
+    assert message.startswith("rank 0 cannot reserve 4.0 KiB of shared memory in /dev/shm/stagewise-"), message
+    assert "No space left on device); give the host more shared memory (docker: --shm-size)" in message
+    assert message.endswith("set STAGEWISE_SHARED_MEMORY=0 (Transport: shared_memory=False)")
