@@ -270,13 +270,6 @@ class Transport:
             for group in own:
                 dist.destroy_process_group(group)
 
-    def abandon(self) -> None:
-        """After an error mid-exchange: close the shared-memory wire, if any, so that peers blocked on this rank
-        fail at once (:class:`PeerGoneError`) as they do when a gloo group goes, rather than at their timeout.
-        Over shared memory the transport exchanges nothing after; over gloo this does nothing."""
-        if self.wire is not None:
-            self.wire.close()
-
     def wait_sends(self) -> None:
         """Wait for every send posted so far (bounded by the timeout each)."""
         in_flight, self._in_flight = self._in_flight, []

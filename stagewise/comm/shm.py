@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -11,6 +12,7 @@ import shutil
 import struct
 import tempfile
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -96,6 +98,14 @@ class SharedMemoryWire:
         """How many segments this rank has made for its sends (each is reused once its message was received)."""
         return self._next_segment
 
+    def _forget_in_child(self) -> None:
+        """In a process forked from this rank (a data loader's worker): close the inherited pipes, so that this
+        rank's death still reaches its peers as the end of its pipes, and let the wire be."""
+        for fd in (*self._in.values(), *self._out.values()):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.closed = True
+
     def connect(self, barrier: Callable[[], None]) -> None:
         """Open the pipes to and from every peer: collective, with ``barrier`` between the steps."""
         for peer in self.peers:
@@ -111,6 +121,8 @@ class SharedMemoryWire:
         barrier()  # every pipe open at both ends before any rank may close its own (a writer's open would fail)
         for peer in self.peers:
             os.unlink(self.folder / f"bell-{peer}")
+        (self.folder / "token").unlink(missing_ok=True)  # read by every peer before the first barrier
+        _LIVE.add(self)
 
     # Posting.
 
@@ -272,6 +284,20 @@ class SharedMemoryWire:
         self._segments.clear()
         self._mapped.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_LIVE: weakref.WeakSet[SharedMemoryWire] = weakref.WeakSet()
+"""Every connected wire of this process, for :func:`_after_fork`."""
+
+
+def _after_fork() -> None:
+    for wire in list(_LIVE):
+        wire._forget_in_child()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _size(nbytes: int) -> str:

@@ -163,14 +163,10 @@ class Executor:
         """Run ``actions`` in order; ``training=False`` runs forwards only and keeps the last stage's outputs, or
         with ``loss_fn`` and ``targets`` only their weighted loss."""
         run = _Run(self, actions, inputs, targets, loss_fn=loss_fn, training=training)
-        try:
-            for i, action in enumerate(actions):
-                run.act(i, action)
-            run.flush()
-            self.transport.wait_sends()
-        except BaseException:
-            self.transport.abandon()  # the peers waiting on this rank learn of it now, not at their timeout
-            raise
+        for i, action in enumerate(actions):
+            run.act(i, action)
+        run.flush()
+        self.transport.wait_sends()
         return StepResult(run.total, run.outputs, run.events, run.spans, run.losses)
 
 

@@ -113,7 +113,7 @@ def late_replica(group: str, world_first: bool = False) -> str:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))
     mesh = init_mesh(2, 2, timeout=2) if not world_first else init_mesh(4, 1, timeout=2)
     if mesh.rank == 3:
-        time.sleep(6)  # past the mesh's timeout
+        time.sleep(4.5)  # past the mesh's timeout
     began = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=mesh.dp_group if group == "dp" else mesh.pp_group)
@@ -121,7 +121,7 @@ def late_replica(group: str, world_first: bool = False) -> str:
     except RuntimeError:
         outcome = "timed out"
     waited = time.monotonic() - began
-    return f"{outcome} after {'less' if waited < 5 else 'more'} than 5 s"
+    return f"{outcome} after {'less' if waited < 4 else 'more'} than 4 s"
 
 
 @pytest.mark.parametrize(("group", "world_first"), [("dp", False), ("pp", False), ("pp", True)])
@@ -131,7 +131,7 @@ def test_the_mesh_timeout_bounds_both_dimensions(group: str, world_first: bool) 
     # world must not take a default group made beforehand with another bound.
     results = run_ranks(late_replica, 4, group, world_first, timeout=60)
     waiting = 2 if group == "dp" and not world_first else 1 if not world_first else 0  # a partner of rank 3
-    assert results[waiting] == "timed out after less than 5 s"
+    assert results[waiting] == "timed out after less than 4 s"
 
 
 def test_wrong_world_size_is_refused() -> None:

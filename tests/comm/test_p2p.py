@@ -50,11 +50,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def echo(
-    messages: list[object], delay: float = 0.0, dedicated: bool = False, pace: float = 0.0
+    messages: list[object], delay: float = 0.0, dedicated: bool | str = False, pace: float = 0.0
 ) -> list[tuple[object, list[bool]]]:
     """Rank 0 sends every message to rank 1 (``pace`` seconds apart), which receives them in order (after ``delay``)."""
     init_mesh(2, timeout=30)
-    transport = Transport(timeout=30, dedicated=dedicated)
+    # "gloo": dedicated, with the messages on its own gloo group rather than shared memory (ranks on other hosts)
+    transport = Transport(timeout=30, dedicated=bool(dedicated), shared_memory=False if dedicated == "gloo" else None)
     received = []
     if dist.get_rank() == 1:
         time.sleep(delay)
@@ -103,8 +104,8 @@ def test_changing_shapes_and_integer_tensors() -> None:
     assert received[2][1] == [True, False, False]
 
 
-@pytest.mark.parametrize("dedicated", [False, True])
-def test_steady_streams_that_change_layout(dedicated: bool) -> None:
+@pytest.mark.parametrize("dedicated", [False, True, "gloo"])
+def test_steady_streams_that_change_layout(dedicated: bool | str) -> None:
     # Runs of equal layouts make the stream steady; each change after a run needs a stand-in message.
     a, b, c = torch.randn(4, 3), torch.randn(2, 5, requires_grad=True), (torch.arange(3), torch.randn(3))
     messages: list[object] = [a, a * 2, a * 3, b, b * 2, b * 3, a, c, c, c, b]
@@ -114,8 +115,8 @@ def test_steady_streams_that_change_layout(dedicated: bool) -> None:
             assert same_bits(x, y)
 
 
-@pytest.mark.parametrize("dedicated", [False, True])
-def test_a_stream_of_empty_payloads_that_changes_layout(dedicated: bool) -> None:
+@pytest.mark.parametrize("dedicated", [False, True, "gloo"])
+def test_a_stream_of_empty_payloads_that_changes_layout(dedicated: bool | str) -> None:
     # Empty payloads carry no data, so nothing but a control word can tell the receiver, which here waits
     # ahead of the sender, that the layout has changed: such a stream must never drop its control words.
     e, f = torch.zeros(0), (torch.zeros(0, 3), torch.zeros(2, 0))
@@ -128,8 +129,8 @@ def test_a_stream_of_empty_payloads_that_changes_layout(dedicated: bool) -> None
             assert same_bits(x, y)
 
 
-@pytest.mark.parametrize("dedicated", [False, True])
-def test_a_change_announced_while_the_receiver_is_behind(dedicated: bool) -> None:
+@pytest.mark.parametrize("dedicated", [False, True, "gloo"])
+def test_a_change_announced_while_the_receiver_is_behind(dedicated: bool | str) -> None:
     # The sender runs ahead and has posted everything, the change of layout at message 5 with its stand-in,
     # before the late receiver reads the steady messages before it; they must come through as data. (With a
     # dedicated group, the change's control word lands in the receive left posted while the receiver is

@@ -272,9 +272,6 @@ class _LocalTransport:
 
     device = torch.device("cpu")
 
-    def abandon(self) -> None:
-        pass
-
     def wait_sends(self) -> None:
         pass
 

@@ -233,6 +233,7 @@ def zero_bubble_through_a_custom_function(as_view: bool) -> dict[str, torch.Tens
     try:
         pipe.step(torch.randn(8, 6), torch.randn(8, 2))
     except Exception as err:  # the refusal, as this rank saw it
+        pipe.close(wait=False)  # its transport's end: the other rank, waiting on this one, fails now
         dist.destroy_process_group()
         return f"{type(err).__name__}: {err}"
     grads = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
