@@ -25,7 +25,11 @@ with the same accumulation as the variant instead. Peak activation memory is
 the largest total of tensors that stage 0 holds at once for backward: saved
 by autograd, or kept for a pooled weight gradient; the same for stage 1. One JSON line per (d, variant):
 
-    python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6] [--pin-cores]
+    python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6] [--block 4] [--pin-cores]
+
+Each variant runs ``block`` consecutive steps at a time, as training runs them, the first of each block not timed
+(it follows another variant's and warms the caches); blocks go round-robin over the variants, in a rotating order,
+until each has ``steps`` timed steps; the figures are medians. ``--block 1`` is the plain round-robin of one step.
 
 With ``--pin-cores`` each rank, and every thread it starts, runs on a core of its own (``launch(..., pin_cores=True)``):
 every variant runs in the same two pinned processes.
@@ -41,6 +45,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -207,7 +212,15 @@ SAME_COMPUTE = {
 """The single-process reference that accumulates weight gradients as each variant does, for same-compute efficiency."""
 
 
-def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> list[dict[str, object]]:
+@dataclass(frozen=True)
+class Timing:
+    """How many steps are timed per variant, and in blocks of how many consecutive steps (the first untimed)."""
+
+    steps: int
+    block: int
+
+
+def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing) -> list[dict[str, object]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)
@@ -242,14 +255,21 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, steps: int) -> 
         for fn in variants.values():  # warm-up, and torch's shape inference
             fn()
             fn()
-        # Round-robin over the variants, so the machine's drift touches them all alike.
+        # Blocks of consecutive steps, as training runs them, round-robin over the variants in a rotating order so
+        # the machine's drift touches them all alike; a block's first step, which follows another variant's, warms
+        # its caches and is not counted.
         samples: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(steps):
-            for name, fn in variants.items():
-                dist.barrier()
-                start = time.perf_counter()
-                fn()
-                samples[name].append(time.perf_counter() - start)
+        names = list(variants)
+        steps, block = timing.steps, timing.block
+        rounds = -(-steps // (block - 1)) if block > 1 else steps
+        for turn in range(rounds):
+            for name in names[turn % len(names) :] + names[: turn % len(names)]:
+                for k in range(block):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    variants[name]()
+                    if k or block == 1:
+                        samples[name].append(time.perf_counter() - start)
         memory = {}
         for schedule, pipe in pipes.items():
             with saved_bytes(pipe.parameters()) as peak:
@@ -267,7 +287,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per variant (at least)")
+    parser.add_argument(
+        "--block", type=int, default=4, help="consecutive steps of a variant at a time, the first not timed; 1: none"
+    )
     parser.add_argument(
         "--pin-cores",
         action="store_true",
@@ -275,7 +298,16 @@ def main() -> None:
     )
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
-    out = launch(worker, 2, widths, args.layers, args.batch, args.microbatches, args.steps, pin_cores=args.pin_cores)
+    out = launch(
+        worker,
+        2,
+        widths,
+        args.layers,
+        args.batch,
+        args.microbatches,
+        Timing(args.steps, args.block),
+        pin_cores=args.pin_cores,
+    )
     p, m = 2, args.microbatches
     for i, d in enumerate(widths):
         r0, r1 = out[0][i], out[1][i]

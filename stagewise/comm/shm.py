@@ -101,6 +101,8 @@ class SharedMemoryWire:
     def _forget_in_child(self) -> None:
         """In a process forked from this rank (a data loader's worker): close the inherited pipes, so that this
         rank's death still reaches its peers as the end of its pipes, and let the wire be."""
+        if self.closed:
+            return
         for fd in (*self._in.values(), *self._out.values()):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -140,15 +142,15 @@ class SharedMemoryWire:
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> WireWork:
         """Post a receive into ``tensor`` (contiguous) of ``peer``'s next message on ``tag``."""
-        self._check(peer)
         work = WireWork(self, peer)
         early = self._early.get((peer, tag))
-        if early:
+        if early and not self.closed:  # arrived before the peer left, if it did: still mapped here
             number, source = early.popleft()
             self._deliver(source, tensor, peer, tag)
-            self._write(peer, _RECORD.pack(_FREED, number, 0, 0))
+            self._write(peer, _RECORD.pack(_FREED, number, 0, 0), notice=True)
             work.done = True
         else:
+            self._check(peer)
             self._posted.setdefault((peer, tag), deque()).append((tensor, work))
         return work
 
@@ -232,7 +234,7 @@ class SharedMemoryWire:
                 continue
             freed.append(_RECORD.pack(_FREED, number, 0, 0))
         if freed:
-            self._write(peer, b"".join(freed))
+            self._write(peer, b"".join(freed), notice=True)
 
     def _map(self, peer: int, number: int, nbytes: int) -> torch.Tensor:
         segment = self._mapped.get((peer, number))
@@ -257,8 +259,11 @@ class SharedMemoryWire:
             )
         target.copy_(source)
 
-    def _write(self, peer: int, records: bytes) -> None:
-        """Write ``records`` to ``peer``'s pipe, handling incoming records while it is full."""
+    def _write(self, peer: int, records: bytes, *, notice: bool = False) -> None:
+        """Write ``records`` to ``peer``'s pipe, handling incoming records while it is full. A ``notice`` (freed
+        segments) to a peer that has gone is dropped: it has nothing left to reuse."""
+        if notice and peer in self._gone:
+            return
         fd = self._out[peer]
         view = memoryview(records)
         while view:
@@ -270,6 +275,8 @@ class SharedMemoryWire:
                 continue
             except BrokenPipeError as err:
                 self._gone.add(peer)
+                if notice:
+                    return
                 raise RuntimeError(_gone(peer)) from err
             view = view[written:]
 
@@ -278,6 +285,7 @@ class SharedMemoryWire:
         if self.closed:
             return
         self.closed = True
+        _LIVE.discard(self)  # its descriptors' numbers may be reused: a later fork must not close them
         self._selector.close()
         for fd in (*self._in.values(), *self._out.values()):
             os.close(fd)

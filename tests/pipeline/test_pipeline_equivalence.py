@@ -109,7 +109,7 @@ def check(case_list: list[Case], n_ranks: int, env: dict[str, str] | None = None
             torch.testing.assert_close(got_params[name], param, atol=1e-5, rtol=1e-5, msg=f"{name} in {case}")
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(cases(2), min_size=12, max_size=12))
 def test_two_ranks_equal_the_unsplit_model(case_list: list[Case]) -> None:
     check(case_list, 2)
