@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
+import multiprocessing.util
 import os
 import secrets
 import selectors
@@ -123,7 +125,9 @@ class SharedMemoryWire:
         barrier()  # every pipe open at both ends before any rank may close its own (a writer's open would fail)
         for peer in self.peers:
             os.unlink(self.folder / f"bell-{peer}")
-        (self.folder / "token").unlink(missing_ok=True)  # read by every peer before the first barrier
+        # The folder served the pipes and the token (read by every peer before the first barrier): gone now, so a
+        # rank that exits without closing leaves nothing behind but segments no peer received.
+        shutil.rmtree(self.folder, ignore_errors=True)
         _LIVE.add(self)
 
     # Posting.
@@ -166,7 +170,7 @@ class SharedMemoryWire:
         if idle:
             return idle.pop()
         number, self._next_segment = self._next_segment, self._next_segment + 1
-        path = self.folder / f"segment-{number}"
+        path = _segment_path(self.folder, number)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the memory now: a sparse file on a full tmpfs would fail later, on a page, with SIGBUS.
@@ -176,15 +180,16 @@ class SharedMemoryWire:
                 os.ftruncate(fd, size)
         except OSError as err:
             os.unlink(path)
-            free = shutil.disk_usage(self.folder).free
+            free = shutil.disk_usage(self.folder.parent).free
             raise RuntimeError(
-                f"rank {self.rank} cannot reserve {_size(size)} of shared memory in {self.folder} "
+                f"rank {self.rank} cannot reserve {_size(size)} of shared memory in {self.folder.parent} "
                 f"({_size(free)} free: {err.strerror}); give the host more shared memory (docker: "
                 "--shm-size), or send through gloo: set STAGEWISE_SHARED_MEMORY=0 (Transport: shared_memory=False)"
             ) from err
         finally:
             os.close(fd)
         self._segments[number] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        _made(path)
         return number
 
     # Progress.
@@ -239,7 +244,7 @@ class SharedMemoryWire:
     def _map(self, peer: int, number: int, nbytes: int) -> torch.Tensor:
         segment = self._mapped.get((peer, number))
         if segment is None or segment.numel() < nbytes:
-            path = self._folders[peer] / f"segment-{number}"
+            path = _segment_path(self._folders[peer], number)
             try:
                 with open(path, "r+b") as file:
                     # The sender's memory, mapped: no allocation of this rank's (torch.from_file would count as one).
@@ -281,7 +286,7 @@ class SharedMemoryWire:
             view = view[written:]
 
     def close(self) -> None:
-        """Close the pipes and drop the segments; removes this rank's folder. Closing again does nothing."""
+        """Close the pipes and drop the segments, removing those no peer received. Closing again does nothing."""
         if self.closed:
             return
         self.closed = True
@@ -289,9 +294,37 @@ class SharedMemoryWire:
         self._selector.close()
         for fd in (*self._in.values(), *self._out.values()):
             os.close(fd)
+        for number in self._segments:  # those its peers never received (a peer unlinks what it maps)
+            path = _segment_path(self.folder, number)
+            path.unlink(missing_ok=True)
+            _MADE.discard(path)
         self._segments.clear()
         self._mapped.clear()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        shutil.rmtree(self.folder, ignore_errors=True)  # left by a connect that failed
+
+
+_MADE: set[Path] = set()
+"""The segment files this process made: those still there at its exit (no peer received them) are removed then."""
+
+
+def _remove_made() -> None:
+    for path in _MADE:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    _MADE.clear()
+
+
+_CLEANS: list[int] = []
+"""The process that registered :func:`_remove_made` for its exit (a forked child registers its own)."""
+
+
+def _made(path: Path) -> None:
+    _MADE.add(path)
+    if [os.getpid()] != _CLEANS:
+        _CLEANS[:] = [os.getpid()]
+        atexit.register(_remove_made)
+        # multiprocessing's processes leave by os._exit, past atexit; its finalizers run in the process that made them.
+        multiprocessing.util.Finalize(None, _remove_made, exitpriority=0)
 
 
 _LIVE: weakref.WeakSet[SharedMemoryWire] = weakref.WeakSet()
@@ -306,6 +339,11 @@ def _after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
+
+
+def _segment_path(folder: Path, number: int) -> Path:
+    """Where the rank of ``folder`` keeps its segment ``number``: beside the folder, which goes after connecting."""
+    return folder.parent / f"{folder.name}-segment-{number}"
 
 
 def _size(nbytes: int) -> str:
@@ -323,7 +361,8 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _shared_folder() -> Path:
-    """A fresh folder for this rank's pipes and segments: on /dev/shm (memory) where there is one."""
+    """A fresh folder for this rank's pipes while connecting (its segments go beside it): on /dev/shm (memory)
+    where there is one."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     return Path(tempfile.mkdtemp(prefix="stagewise-", dir=base))
 
