@@ -219,3 +219,20 @@ def test_shared_memory_that_runs_out_is_an_error_that_names_the_fixes() -> None:
     assert message.startswith("rank 0 cannot reserve 4.0 KiB of shared memory in /dev/shm ("), message
     assert "No space left on device); give the host more shared memory (docker: --shm-size)" in message
     assert message.endswith("set STAGEWISE_SHARED_MEMORY=0 (Transport: shared_memory=False)")
+
+
+def unreceived() -> str:
+    """Rank 0 sends a message rank 1 never receives; both leave normally, without closing their transports."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True)
+    assert transport.wire is not None
+    if dist.get_rank() == 0:
+        transport.send(torch.zeros(1000), 1, what="x")
+    dist.barrier()
+    return str(transport.wire.folder)
+
+
+def test_segments_no_peer_received_are_removed_when_their_process_exits() -> None:
+    folder = Path(run_ranks(unreceived, 2)[0])
+    assert not folder.exists()
+    assert list(folder.parent.glob(f"{folder.name}*")) == []
