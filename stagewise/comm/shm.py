@@ -335,6 +335,7 @@ def _after_fork() -> None:
     for wire in list(_LIVE):
         wire._forget_in_child()
     _LIVE.clear()
+    _MADE.clear()  # the parent's segments, for the parent to remove: a child's exit must not take them
 
 
 if hasattr(os, "register_at_fork"):

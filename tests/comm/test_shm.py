@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import signal
@@ -236,3 +237,25 @@ def test_segments_no_peer_received_are_removed_when_their_process_exits() -> Non
     folder = Path(run_ranks(unreceived, 2)[0])
     assert not folder.exists()
     assert list(folder.parent.glob(f"{folder.name}*")) == []
+
+
+def child_exits() -> bool:
+    """Rank 0 sends, then forks a child that exits normally (its exit functions run) before rank 1 receives."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True)
+    x = torch.arange(6.0)
+    if dist.get_rank() == 0:
+        transport.send(x, 1, what="x")
+        child = os.fork()
+        if child == 0:  # a worker of the rank's own that ends normally
+            atexit._run_exitfuncs()
+            os._exit(0)
+        os.waitpid(child, 0)
+    dist.barrier()
+    ok = True if dist.get_rank() == 0 else bool(torch.equal(transport.recv(0, what="x"), x))
+    transport.wait_sends()
+    return ok
+
+
+def test_a_forked_child_that_exits_leaves_its_parents_segments_alone() -> None:
+    assert run_ranks(child_exits, 2) == {0: True, 1: True}
