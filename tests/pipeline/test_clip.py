@@ -98,7 +98,7 @@ def late_to_clip() -> str:
     init_mesh(2, timeout=3)
     param = _param([3.0, 4.0])
     if dist.get_rank() == 1:
-        time.sleep(5.0)  # past the timeout
+        time.sleep(4.5)  # past the timeout
     return comm_error(lambda: clip_grad_norm_([param], 1.0, group=dist.group.WORLD, timeout=3))
 
 

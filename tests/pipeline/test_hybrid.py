@@ -295,7 +295,7 @@ def late_replica_loss(seconds: float) -> str:
 
 def test_a_late_replica_gives_a_named_timeout_in_the_loss_all_gather() -> None:
     started = time.monotonic()
-    messages = run_ranks(late_replica_loss, 2, 5.0, timeout=90)
+    messages = run_ranks(late_replica_loss, 2, 4.5, timeout=90)
     assert messages[0].startswith("CommTimeoutError: rank 0 timed out after 3 s in the all-gather of the replicas' "), (
         messages
     )
@@ -404,7 +404,7 @@ def replica_refuses_its_batch() -> str:
     try:
         pipe.step(torch.randn(size, 4), torch.randn(size, 4))
     except ValueError as err:
-        time.sleep(5.0)  # stays alive past the timeout, as a job that logs the error and goes on would
+        time.sleep(4.5)  # stays alive past the timeout, as a job that logs the error and goes on would
         return f"ValueError: {err}"
     except CommError as err:
         return f"{type(err).__name__}: {err}"
