@@ -105,7 +105,8 @@ class Transport:
         """Steady streams drop their control words (gloo, on a group of this transport's own)."""
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self._peers = frozenset(range(dist.get_world_size()) if ranks is None else ranks)
-        if shared_memory and not (self.standing and self.device.type == "cpu"):
+        eligible = self.standing and self.device.type == "cpu"  # what the shared-memory wire can stand in for
+        if shared_memory and not eligible:
             raise ValueError(
                 f"shared_memory=True needs a dedicated transport on the CPU over gloo; this one is "
                 f"dedicated={dedicated} on {self.device} over {backend}"
@@ -116,7 +117,7 @@ class Transport:
         self.wire: SharedMemoryWire | None = None
         """The shared-memory wire that carries the messages, or None: the process group does."""
         wanted = os.environ.get("STAGEWISE_SHARED_MEMORY", "1") != "0" if shared_memory is None else shared_memory
-        if self.standing and self.device.type == "cpu" and wanted:
+        if eligible and wanted:
             assert group is not None
             self.wire = connect_shared_memory(group, self.rank)
             if self.wire is None and shared_memory:

@@ -92,7 +92,6 @@ class SharedMemoryWire:
         self._early: dict[tuple[int, int], deque[tuple[int, torch.Tensor]]] = {}
         """Messages that arrived before their receive was posted, by (peer, tag): each segment's number and data,
         left in the sender's segment (as gloo leaves it with the sender) until the receive is posted."""
-        self._partial: dict[int, bytes] = {}
         self.closed = False
 
     @property
@@ -217,18 +216,16 @@ class SharedMemoryWire:
             self._gone.add(peer)
             self._selector.unregister(fd)
             return
-        data = self._partial.pop(peer, b"") + chunk
-        whole = len(data) - len(data) % _RECORD.size
-        if whole < len(data):
-            self._partial[peer] = data[whole:]
+        # Whole records only: each write is whole records of at most PIPE_BUF bytes (all or nothing), each read asks
+        # for whole records, and a pipe hands out what was written.
         freed = []
-        for kind, number, tag, nbytes in _RECORD.iter_unpack(data[:whole]):
+        for kind, number, tag, nbytes in _RECORD.iter_unpack(chunk):
             if kind == _FREED:
                 size, work = self._sending.pop((peer, number))
                 self._idle.setdefault((peer, size), []).append(number)
                 work.done = True
                 continue
-            source = self._map(peer, number, nbytes)[:nbytes]
+            source = self._map(peer, number)[:nbytes]
             posted = self._posted.get((peer, tag))
             if posted:
                 tensor, work = posted.popleft()
@@ -241,9 +238,10 @@ class SharedMemoryWire:
         if freed:
             self._write(peer, b"".join(freed), notice=True)
 
-    def _map(self, peer: int, number: int, nbytes: int) -> torch.Tensor:
+    def _map(self, peer: int, number: int) -> torch.Tensor:
+        """``peer``'s segment ``number``, mapped here on its first message (a segment keeps its size)."""
         segment = self._mapped.get((peer, number))
-        if segment is None or segment.numel() < nbytes:
+        if segment is None:
             path = _segment_path(self._folders[peer], number)
             try:
                 with open(path, "r+b") as file:
