@@ -20,7 +20,7 @@ from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.hybrid import DataParallel, Replicas
-from stagewise.pipeline.loss_sharing import share_count, share_loss
+from stagewise.pipeline.loss_sharing import SHARING, share_count, share_loss
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, batch_size, concat, split
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
 from stagewise.pipeline.render import to_chrome_trace
@@ -167,9 +167,12 @@ class Pipeline:
             self.ties.synchronise()
             peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
             # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
+            # Activations, gradients, and on the CPU what one rank tells the others (loss_sharing.SHARING), which
+            # travels over the transport where it carries its messages through shared memory.
             self.transport = Transport(
-                device=self.device, timeout=timedelta(seconds=timeout), dedicated=True, streams=2
-            )
+                device=self.device, timeout=timedelta(seconds=timeout), dedicated=True,
+                streams=SHARING + 1 if self.device.type == "cpu" else SHARING,
+            )  # fmt: skip
             undo.callback(_quietly, self.transport.close, wait=False)
             dp = self.mesh.layout.dp
             self.replicas = None
@@ -372,6 +375,7 @@ class Pipeline:
         shared = share_loss(
             loss, samples, mesh=self.mesh, last=last, replicated=self.replicas is not None,
             mean=self.loss_reduction == "mean", bad_microbatch=bad_microbatch, training=training,
+            transport=self.transport,
         )  # fmt: skip
         self._bad_microbatch = shared.bad_microbatch
         return shared.loss
@@ -414,7 +418,8 @@ class Pipeline:
             if samples == 0:
                 raise ValueError("the inputs have no samples (a batch of 0); give at least one")
             count = min(count, samples)
-        count = share_count(count, mesh=self.mesh, first=self.mesh.layout.rank(0, self.mesh.replica))
+        first = self.mesh.layout.rank(0, self.mesh.replica)
+        count = share_count(count, mesh=self.mesh, first=first, transport=self.transport)
         return (None if payload is None else split(payload, count, what="inputs")), count
 
     def _forward(self, ins: Microbatches | None, count: int, targets: Microbatches | None = None) -> StepResult:

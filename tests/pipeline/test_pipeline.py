@@ -566,30 +566,42 @@ def test_the_last_stage_refuses_bad_losses_and_missing_targets(case: str, messag
     assert results[0].startswith("CommTimeoutError: rank 0 timed out after 3 s waiting for the gradient")
 
 
-def stalled(seconds: float) -> str:
+def stalled(seconds: float, where: str) -> str:
     torch.set_num_threads(1)
+    if where == "loss over gloo":  # the transport's gloo group: the loss is a broadcast over the pipeline's
+        os.environ["STAGEWISE_SHARED_MEMORY"] = "0"
     mesh = init_mesh(2, timeout=60)
     chain = Chain(("linear", "linear"), seed=1)
     pipe = Pipeline(
         chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse, mesh=mesh, timeout=2
     )
-    if dist.get_rank() == 1:
-        time.sleep(seconds)  # alive, but stuck somewhere else
+    if dist.get_rank() == 1:  # alive, but stuck somewhere else: before its step, or before it tells rank 0 the loss
+        if where == "step":
+            time.sleep(seconds)
+        else:
+            share = pipe._share_loss
+            pipe._share_loss = lambda *args, **kwargs: (time.sleep(seconds), share(*args, **kwargs))[1]  # type: ignore[method-assign]
     x, y = chain.batch(4, 0)
     pipe.step(x, y)
     return "finished"
 
 
-def test_a_stalled_peer_gives_a_named_error_not_a_hang() -> None:
+@pytest.mark.parametrize(
+    ("where", "awaited"),
+    [
+        ("step", "the gradient of micro-batch 0 for 0B0 (stage 0)"),
+        ("loss", "the loss from rank 1, the last stage's, sent along the pipeline"),
+        ("loss over gloo", "the loss from rank 1, the last stage's, sent along the pipeline"),
+    ],
+)
+def test_a_stalled_peer_gives_a_named_error_not_a_hang(where: str, awaited: str) -> None:
     start = time.perf_counter()
     with pytest.raises(LaunchError) as info:
-        run_ranks(stalled, 2, 15.0, timeout=60)
+        run_ranks(stalled, 2, 15.0, where, timeout=60)
     assert time.perf_counter() - start < 15
     failure = info.value.failures[0]
     assert failure.rank == 0
-    assert failure.message.startswith(
-        "CommTimeoutError: rank 0 timed out after 2 s waiting for the gradient of micro-batch 0 for 0B0 (stage 0)"
-    )
+    assert failure.message.startswith(f"CommTimeoutError: rank 0 timed out after 2 s waiting for {awaited}")
 
 
 def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
