@@ -98,11 +98,9 @@ def along_pipeline(
         # Bounded as the transport's waits are (the pipeline's timeout), not by the process group's.
         timeout = transport.timeout if transport is not None else mesh.timeout
         work = dist.broadcast(packet, src=source, group=mesh.pp_group, async_op=True)
-        if mesh.rank == source:
-            peer = next(r for r in mesh.layout.pipeline_ranks(mesh.replica) if r != source)
-            wait_for(work, rank=mesh.rank, peer=peer, what=what, timeout=timeout, sending=True)
-        else:
-            wait_for(work, rank=mesh.rank, peer=source, what=what, timeout=timeout, sending=False)
+        sending = mesh.rank == source
+        peer = next(r for r in mesh.layout.pipeline_ranks(mesh.replica) if r != source) if sending else source
+        wait_for(work, rank=mesh.rank, peer=peer, what=what, timeout=timeout, sending=sending)
         return packet
     if mesh.rank != source:
         received = transport.recv(source, what=what, stream=SHARING)

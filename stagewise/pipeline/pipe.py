@@ -171,7 +171,7 @@ class Pipeline:
             # travels over the transport where it carries its messages through shared memory.
             self.transport = Transport(
                 device=self.device, timeout=timedelta(seconds=timeout), dedicated=True,
-                streams=SHARING + 1 if self.device.type == "cpu" else SHARING,
+                streams=SHARING + 1 if self.device.type == "cpu" else 2,
             )  # fmt: skip
             undo.callback(_quietly, self.transport.close, wait=False)
             dp = self.mesh.layout.dp
