@@ -7,6 +7,7 @@ import os
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -580,7 +581,12 @@ def stalled(seconds: float, where: str) -> str:
             time.sleep(seconds)
         else:
             share = pipe._share_loss
-            pipe._share_loss = lambda *args, **kwargs: (time.sleep(seconds), share(*args, **kwargs))[1]  # type: ignore[method-assign]
+
+            def late_share(*args: Any, **kwargs: Any) -> torch.Tensor:
+                time.sleep(seconds)
+                return share(*args, **kwargs)
+
+            pipe._share_loss = late_share  # type: ignore[method-assign]
     x, y = chain.batch(4, 0)
     pipe.step(x, y)
     return "finished"
