@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from pipeline_bench import saved_bytes
 
-from stagewise.cluster import Cluster, Device
 from stagewise.comm import launch
 from stagewise.pipeline import Pipeline
-from stagewise.planner import Option, evaluate
-from stagewise.train import TrainConfig, train
-from stagewise.workload import preset_model, workload_under_load
+from stagewise.plan.cluster import Cluster, Device
+from stagewise.plan.planner import Option, evaluate
+from stagewise.plan.workload import preset_model, workload_under_load
+from stagewise.run import TrainConfig, train
 
 SHAPES = {"gpt-tiny": (32, 128), "gpt-small": (8, 128)}
 """Global batch and sequence length per preset on the CPU."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from stagewise.comm import launch
-from stagewise.train import TrainConfig, train
+from stagewise.run import TrainConfig, train
 
 
 def rss_bytes() -> int:

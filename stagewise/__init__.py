@@ -1,17 +1,35 @@
-"""stagewise: split PyTorch models into balanced pipeline stages and train them across devices."""
+"""stagewise: split PyTorch models into balanced pipeline stages and train them across devices.
 
-from stagewise import comm, models, partition, pipeline
-from stagewise.partition import LayerCost, Partition, auto, balance, layers_of, profile
-from stagewise.pipeline import Pipeline
-from stagewise.planner import Plan, plan
+The subpackages load on first use, so ``import stagewise.schedule`` (pure data) imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stagewise import comm, models, partition, pipeline, schedule
+    from stagewise.partition import LayerCost, Partition, auto, balance, layers_of, profile
+    from stagewise.pipeline import Pipeline
 
 __version__ = "0.1.0"
+
+_SUBPACKAGES = frozenset({"comm", "models", "partition", "pipeline", "schedule"})
+_NAMES = {
+    "LayerCost": "stagewise.partition",
+    "Partition": "stagewise.partition",
+    "auto": "stagewise.partition",
+    "balance": "stagewise.partition",
+    "layers_of": "stagewise.partition",
+    "profile": "stagewise.partition",
+    "Pipeline": "stagewise.pipeline",
+}
 
 __all__ = [
     "LayerCost",
     "Partition",
     "Pipeline",
-    "Plan",
     "__version__",
     "auto",
     "balance",
@@ -20,6 +38,15 @@ __all__ = [
     "models",
     "partition",
     "pipeline",
-    "plan",
     "profile",
+    "schedule",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a subpackage, or one of the names above from its subpackage, when it is first asked for."""
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"stagewise.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
+    raise AttributeError(f"module 'stagewise' has no attribute {name!r}")

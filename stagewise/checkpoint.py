@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from stagewise.comm import everyone_agrees
 from stagewise.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
@@ -130,59 +131,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _everyone_agrees(ok: bool, device: torch.device) -> bool:
-    """Whether ``ok`` holds on every rank; a collective, so all ranks raise together rather than some hang."""
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-JOB_FILE = "job"
-"""The file in a checkpoint directory that names the job writing checkpoints there (see :func:`claim`)."""
-
-
-def _claimed(directory: str | Path, line: int) -> str | None:
-    try:
-        lines = (Path(directory) / JOB_FILE).read_text().splitlines()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return (lines[line].strip() or None) if line < len(lines) else None
-
-
-def owner(directory: str | Path) -> str | None:
-    """The id of the job that last claimed ``directory`` for its checkpoints (see :func:`claim`); None if none did."""
-    return _claimed(directory, 0)
-
-
-def owner_token(directory: str | Path) -> str | None:
-    """The token of the job that last claimed ``directory`` (see :func:`claim`); None if it recorded none."""
-    return _claimed(directory, 1)
-
-
-def claim(directory: str | Path, job: str, device: torch.device, token: str | None = None) -> None:
-    """Before training, rank 0 makes ``directory`` and records there that job ``job`` writes its checkpoints, with
-    the job's ``token`` where it has one (:func:`stagewise.comm.launch.job_token`: the file ``job`` holds the id,
-    and the token on a second line); every rank calls it. An unwritable directory fails here rather than at the
-    first save, and after a failure the restarted ranks of that job find the directory theirs (:func:`owner`,
-    :func:`owner_token`), where another job's is not."""
-    root = Path(directory)
-    problem = ""
-    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            staged = root / f".{JOB_FILE}.partial"
-            staged.write_text(f"{job}\n" + (f"{token}\n" if token else ""))
-            staged.replace(root / JOB_FILE)  # at once: a restarted rank may be reading it
-        except OSError as err:
-            problem = f": {err}"
-    if not _everyone_agrees(not problem, device):
-        raise CheckpointError(
-            f"rank 0 cannot write checkpoints to {root}{problem}; choose a writable checkpoint directory"
-        )
-
-
 def save(
     directory: str | Path,
     pipe: Pipeline,
@@ -212,7 +160,7 @@ def save(
             partial.mkdir()
         except OSError as err:
             problem = f": {err}"
-    if not _everyone_agrees(not problem, pipe.device):
+    if not everyone_agrees(not problem, pipe.device):
         raise CheckpointError(
             f"rank 0 cannot write checkpoints to {root}{problem}; choose a writable checkpoint directory"
         )
@@ -364,7 +312,7 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
         raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
     differ = [names for names in ties if not all(torch.equal(state[MODEL + names[0]], state[MODEL + n]) for n in names)]
-    if not _everyone_agrees(not differ, device):
+    if not everyone_agrees(not differ, device):
         raise CheckpointError(
             f"the checkpoint {path} holds different values for {', '.join(differ[0]) if differ else 'parameters'} "
             "that this model ties into one (on some rank): it was saved from a model that does not tie them; "

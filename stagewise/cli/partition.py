@@ -9,7 +9,7 @@ from typing import Any, get_args
 from stagewise.cli import args
 from stagewise.models import PRESETS
 from stagewise.partition import By, MemorySchedule, balance_costs, layers_of, profile, shared_parameters
-from stagewise.pipeline import build, holdings
+from stagewise.schedule import build, holdings
 from stagewise.units import format_bytes
 
 

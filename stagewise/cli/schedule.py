@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from stagewise.cli import args
-from stagewise.pipeline import Schedule, ScheduleName, StageCosts, render, simulate, to_chrome_trace
-from stagewise.pipeline import build as build_schedule
+from stagewise.schedule import Schedule, ScheduleName, StageCosts, render, simulate, to_chrome_trace
+from stagewise.schedule import build as build_schedule
 
 
 def add(commands: Any) -> None:

@@ -18,10 +18,11 @@ from stagewise import checkpoint
 from stagewise.cli import args
 from stagewise.comm import Layout, launch
 from stagewise.models import PRESETS, GPTConfig, preset
-from stagewise.pipeline import Pipeline, ScheduleName
-from stagewise.planner import load_plan
-from stagewise.resume import fresh_run_refused
-from stagewise.train import Optimizer, Summary, TrainConfig, preflight, train
+from stagewise.pipeline import Pipeline
+from stagewise.plan.planner import load_plan
+from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
+from stagewise.run.resume import fresh_run_refused
+from stagewise.schedule import ScheduleName
 
 DEFAULTS = TrainConfig()
 PLANNED = (

@@ -1,7 +1,7 @@
 """Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
 
+from stagewise.comm.agreement import everyone_agrees
 from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed, named_collective
-from stagewise.comm.failures import LaunchError, RankFailure
 from stagewise.comm.launch import (
     LaunchOptions,
     StartMethod,
@@ -9,6 +9,7 @@ from stagewise.comm.launch import (
     launch,
     launch_module,
 )
+from stagewise.comm.launch_failures import LaunchError, RankFailure
 from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
 from stagewise.comm.meta import TensorMeta
 from stagewise.comm.p2p import Transport
@@ -37,6 +38,7 @@ __all__ = [
     "as_tensors",
     "choose_backend",
     "collective_failed",
+    "everyone_agrees",
     "free_port",
     "init_mesh",
     "launch",

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from typing_extensions import Unpack
 
-from stagewise.comm.failures import LaunchError, failures_of, report
+from stagewise.comm.launch_failures import LaunchError, failures_of, report
 from stagewise.comm.mesh import Layout
 
 T = TypeVar("T")

@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 from torch.distributed.device_mesh import DeviceMesh
 
+from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
+
 log = logging.getLogger(__name__)
 
 Backend = Literal["gloo", "nccl"]
@@ -96,8 +98,8 @@ class PipelineMesh:
     device: torch.device
     """Where this rank computes: ``cuda:LOCAL_RANK`` under NCCL, the CPU under gloo."""
     backend: Backend
-    timeout: timedelta
-    """The bound on every collective and point-to-point wait."""
+    timeout: float
+    """Seconds: the bound on every collective and point-to-point wait (see :mod:`stagewise.comm.timeouts`)."""
 
     @property
     def coords(self) -> Coords:
@@ -230,7 +232,7 @@ def init_mesh(
     dp: int | None = 1,
     *,
     backend: Backend | None = None,
-    timeout: float | timedelta = 300.0,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> PipelineMesh:
     """Join the job started by torchrun (or :func:`stagewise.comm.launch`) and build its mesh.
 
@@ -250,9 +252,8 @@ def init_mesh(
     Raises:
         ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
     """
-    wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if wait.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {wait.total_seconds()} s")
+    seconds = checked_timeout(timeout)
+    wait = timedelta(seconds=seconds)
     if backend not in (None, *get_args(Backend)):
         raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
     if dist.is_initialized():
@@ -303,6 +304,6 @@ def init_mesh(
             world_size=world if store is not None else -1,
         )
     mesh = _device_mesh(layout, device, chosen, wait, world=made)
-    result = PipelineMesh(mesh, layout, rank, device, chosen, wait)
+    result = PipelineMesh(mesh, layout, rank, device, chosen, seconds)
     log.info("%s", result.describe())
     return result

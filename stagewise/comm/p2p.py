@@ -14,7 +14,7 @@ import torch.distributed as dist
 from stagewise.comm.meta import TensorMeta, encode
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors, has_bytes
 from stagewise.comm.receiving import Channel, Receiving
-from stagewise.comm.shm import SharedMemoryWire, connect_shared_memory
+from stagewise.comm.shared_memory import SharedMemoryWire, connect_shared_memory
 from stagewise.comm.waits import Pending, Work, seconds, wait_for
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Transport:
 
     A dedicated transport on the CPU whose ranks share memory (one host, and
     ``/dev/shm`` visible to all) carries its messages through shared memory
-    instead (:class:`~stagewise.comm.shm.SharedMemoryWire`): the same
+    instead (:class:`~stagewise.comm.shared_memory.SharedMemoryWire`): the same
     protocol, with no gloo threads or sockets in the way. ``shared_memory``
     None does so where it can (unless the environment variable
     ``STAGEWISE_SHARED_MEMORY`` is ``0``), True insists, False keeps gloo.

@@ -2,6 +2,7 @@
 
 from stagewise.partition.auto import By, auto, balance_costs, params_of
 from stagewise.partition.balance import CapacityError, balance
+from stagewise.partition.capture import Segment, TracedChain, repeated_blocks, trace
 from stagewise.partition.graph import TraceError
 from stagewise.partition.layers import (
     CHAIN_ATTRIBUTE,
@@ -11,19 +12,17 @@ from stagewise.partition.layers import (
     layers_of,
     shared_parameters,
 )
-from stagewise.partition.live import LiveBytes
-from stagewise.partition.memory import Holding, MemoryModel, MemorySchedule, in_flight, memory_model
+from stagewise.partition.live_bytes import LiveBytes
+from stagewise.partition.memory import MemoryModel, MemorySchedule, in_flight, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
+from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
-from stagewise.partition.tie import Tie
-from stagewise.partition.traced import Segment, TracedChain, repeated_blocks, trace
 
 __all__ = [
     "CHAIN_ATTRIBUTE",
     "LAYERS_METHOD",
     "By",
     "CapacityError",
-    "Holding",
     "Layer",
     "LayerCost",
     "LiveBytes",

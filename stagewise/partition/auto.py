@@ -11,10 +11,11 @@ from torch import nn
 
 from stagewise.partition.balance import Weights, balance
 from stagewise.partition.layers import Layer, SharedParameter, layers_of, shared_parameters
-from stagewise.partition.memory import Holding, MemorySchedule, memory_model
+from stagewise.partition.memory import MemorySchedule, memory_model
 from stagewise.partition.profile import LayerCost, Payload, profile
+from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
-from stagewise.partition.tie import Tie
+from stagewise.schedule import Holding
 
 By = Literal["time", "flops", "params", "memory"]
 """What a stage's load counts: measured time, FLOPs, parameters, or bytes of memory."""
@@ -39,7 +40,7 @@ def balance_costs(
     (``state_multiplier`` copies of the weights) plus buffers, plus saved
     activations times the micro-batches in flight on that stage, plus the
     pooled weight gradients of ``holdings``
-    (``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default).
+    (``stagewise.schedule.holdings(schedule)`` for ``Pipeline``'s default).
     ``shared`` lists the parameters layers share
     (:func:`~stagewise.partition.shared_parameters`): a stage holding several
     of their layers keeps, and counts, one copy.

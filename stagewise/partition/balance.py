@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stagewise.partition.memory import Holding, MemoryModel
+from stagewise.partition.memory import MemoryModel
+from stagewise.partition.shared_cost import Tie, check_ties
 from stagewise.partition.solver import FloatArray, RangeCost, SplitProblem, solve
 from stagewise.partition.split import Partition
-from stagewise.partition.tie import Tie, check_ties
+from stagewise.schedule import Holding
 from stagewise.units import format_bytes
 
 log = logging.getLogger(__name__)

@@ -9,21 +9,11 @@ from typing import Literal, get_args
 
 from stagewise.partition.layers import SharedParameter
 from stagewise.partition.profile import LayerCost
-from stagewise.partition.tie import Tie, check_ties
+from stagewise.partition.shared_cost import Tie, check_ties
+from stagewise.schedule.holdings import Holding
 
 MemorySchedule = Literal["gpipe", "1f1b", "zero-bubble"]
 """Schedules whose activation footprint has a closed form (see :func:`in_flight`)."""
-
-
-@dataclass(frozen=True)
-class Holding:
-    """One moment of a stage: micro-batches in flight, and backwards whose weight gradients wait in a pool."""
-
-    in_flight: int
-    """Micro-batches forwarded whose backward has not run: their saved activations are held."""
-    pooled: int = 0
-    """Backwards run whose pooled weight gradients are not computed yet: their linears' inputs and output
-    gradients are held."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +37,7 @@ class MemoryModel:
     """Per layer: bytes a pooled backward keeps until its pool is flushed (:attr:`LayerCost.pooled_bytes`);
     empty: none."""
     holdings: tuple[tuple[Holding, ...], ...] = ()
-    """Per stage: the moments that can be its fullest (``stagewise.pipeline.holdings`` works them out from a
+    """Per stage: the moments that can be its fullest (``stagewise.schedule.holdings`` works them out from a
     schedule and its weight-gradient pool); empty: ``Holding(in_flight[stage])`` alone."""
     shared: tuple[float, ...] = ()
     """Per layer: bytes of ``activation`` that the layer before it saves too (:attr:`LayerCost.shared_bytes`),
@@ -160,7 +150,7 @@ def memory_model(
     ``holdings`` adds the weight gradients a pipeline pools
     (:attr:`LayerCost.pooled_bytes`; under zero-bubble also the output
     gradients its input pass keeps for its weight pass, :attr:`LayerCost.use_bytes`): pass
-    ``stagewise.pipeline.holdings(schedule)`` for ``Pipeline``'s default;
+    ``stagewise.schedule.holdings(schedule)`` for ``Pipeline``'s default;
     without it only the micro-batches in flight count. ``shared`` lists the
     parameters layers share (:func:`~stagewise.partition.shared_parameters`),
     which a stage counts once however many of its layers use them.

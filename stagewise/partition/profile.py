@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from stagewise.partition.attention import FLOP_FORMULAS, FusedAttentionOnMeta
 from stagewise.partition.layers import Layer, layers_of
-from stagewise.partition.live import LiveBytes
+from stagewise.partition.live_bytes import LiveBytes
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ def profile(
         raise ValueError("there are no layers to profile")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
-    from stagewise.partition.traced import Segment  # traced.py builds on this module
+    from stagewise.partition.capture import Segment  # traced.py builds on this module
 
     target = _choose_device(layers, time, device)
     _tensors(sample, "sample")

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from stagewise.partition.tie import Tie
+from stagewise.partition.shared_cost import Tie
 
 FloatArray = npt.NDArray[np.float64]
 

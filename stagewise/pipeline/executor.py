@@ -11,16 +11,16 @@ from dataclasses import dataclass, field
 import torch
 
 from stagewise.comm import Payload, Receiving, Transport, as_tensors
-from stagewise.pipeline.actions import Action, Kind, Schedule
-from stagewise.pipeline.engine import Event
+from stagewise.pipeline.data_parallel import Replicas, sync_points
 from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
-from stagewise.pipeline.hybrid import Replicas, sync_points
 from stagewise.pipeline.microbatch import Microbatches
-from stagewise.pipeline.pooling import rank_pool
+from stagewise.pipeline.split_backward import WeightUse, weight_gradients
 from stagewise.pipeline.stage import StageError, StageModule, failure
-from stagewise.pipeline.trace import Span
-from stagewise.pipeline.uses import WeightUse, weight_gradients
+from stagewise.schedule.actions import Action, Kind, Schedule
+from stagewise.schedule.dependencies import Event
+from stagewise.schedule.holdings import rank_pool
+from stagewise.schedule.spans import Span
 
 ACTIVATIONS, GRADIENTS = 0, 1
 """Transport streams: activations flow forward on one, gradients backward on the other."""
@@ -78,7 +78,7 @@ class Executor:
     the output gradient (or the weighted loss) into the parameters and the
     stage input, and sends the input gradient back. Zero-bubble splits B: I
     computes the input gradient and, on the way, the gradient of the output of
-    every op that reads a parameter (:class:`stagewise.pipeline.uses.WeightUse`);
+    every op that reads a parameter (:class:`stagewise.pipeline.split_backward.WeightUse`);
     W later turns each of those into that op's parameter gradients, so nothing
     is accumulated twice and no activation gradient is computed again. With
     fusion, I leaves each fused linear's output gradient and input in the
@@ -92,7 +92,7 @@ class Executor:
     computed as one GEMM per weight every ``pool`` backwards of the rank, or
     at the end of the step where every forward of a stage precedes its
     backwards (GPipe), or as many as keep the rank within the pipeline's peak
-    in flight (:func:`stagewise.pipeline.free_pool`; see :attr:`WeightGradientFusion.pool`).
+    in flight (:func:`stagewise.schedule.free_pool`; see :attr:`WeightGradientFusion.pool`).
     """
 
     def __init__(

@@ -47,10 +47,10 @@ class WeightGradientFusion:
     held, about one micro-batch's activations per pooled backward. "free"
     (the default) chooses, per rank, the largest pool that keeps what the rank
     holds within what the pipeline's fullest rank holds in flight anyway
-    (:func:`stagewise.pipeline.free_pool`): the whole step for GPipe; under
+    (:func:`stagewise.schedule.free_pool`): the whole step for GPipe; under
     1F1B over p ranks, r + 1 on rank r, so the first rank pools nothing and
     the others fill up to its p micro-batches. The planner and
-    ``stagewise.partition.memory_model`` count this (``stagewise.pipeline.holdings``);
+    ``stagewise.partition.memory_model`` count this (``stagewise.schedule.holdings``);
     with activation checkpointing "free" pools nothing, since a pooled
     backward would keep more than the checkpointed forward did. None keeps
     each stage within its own micro-batches in flight: all of a step's where

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from stagewise.comm import PipelineMesh, Transport, named_collective
 from stagewise.comm.waits import wait_for
-from stagewise.pipeline.hybrid import combine_losses
+from stagewise.pipeline.data_parallel import combine_losses
 
 SHARING = 2
 """The transport stream that carries what one rank tells the rest of its pipeline (after activations, gradients)."""
@@ -50,7 +51,7 @@ def share_loss(
     device = mesh.device
     loss = (loss if loss is not None else torch.zeros((), device=device)).detach().to(device, torch.float32)
     smallest = largest = 0
-    seconds = mesh.timeout.total_seconds()
+    seconds = mesh.timeout
     if mesh.rank == last and replicated:
         group = mesh.dp_group
         peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
@@ -96,7 +97,7 @@ def along_pipeline(
         return packet
     if transport is None or transport.wire is None:
         # Bounded as the transport's waits are (the pipeline's timeout), not by the process group's.
-        timeout = transport.timeout if transport is not None else mesh.timeout
+        timeout = transport.timeout if transport is not None else timedelta(seconds=mesh.timeout)
         work = dist.broadcast(packet, src=source, group=mesh.pp_group, async_op=True)
         sending = mesh.rank == source
         peer = next(r for r in mesh.layout.pipeline_ranks(mesh.replica) if r != source) if sending else source

@@ -14,19 +14,19 @@ from torch import nn
 
 from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_mesh
 from stagewise.partition import Partition, layers_of, shared_parameters
-from stagewise.pipeline.actions import Action, Kind, Schedule
-from stagewise.pipeline.arguments import checked_schedule
 from stagewise.pipeline.clip import clip_grad_norm_
+from stagewise.pipeline.config import checked_schedule
+from stagewise.pipeline.data_parallel import DataParallel, Replicas
 from stagewise.pipeline.executor import Executor, LossFn, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
-from stagewise.pipeline.hybrid import DataParallel, Replicas
 from stagewise.pipeline.loss_sharing import SHARING, share_count, share_loss
 from stagewise.pipeline.microbatch import LossReduction, Microbatches, batch_size, concat, split
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
-from stagewise.pipeline.render import to_chrome_trace
-from stagewise.pipeline.schedules import ScheduleName
 from stagewise.pipeline.stage import own_stages
-from stagewise.pipeline.tied import Ties
+from stagewise.pipeline.tied_weights import Ties
+from stagewise.schedule.actions import Action, Kind, Schedule
+from stagewise.schedule.builders import ScheduleName
+from stagewise.schedule.render import to_chrome_trace
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class Pipeline:
                     group=self.mesh.dp_group,
                     device=self.device,
                     config=config,
-                    timeout=self.mesh.timeout.total_seconds(),
+                    timeout=self.mesh.timeout,
                 )
             self.executor = Executor(
                 plan,
@@ -395,7 +395,7 @@ class Pipeline:
         counted = [p for p in mine if self.ties.counted(p)]
         return clip_grad_norm_(
             mine, max_norm, norm_type, group=self.mesh.pp_group, counted=counted,
-            error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.mesh.timeout.total_seconds(),
+            error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.mesh.timeout,
         )  # fmt: skip
 
     def predict(self, inputs: Payload | None) -> Payload | None:

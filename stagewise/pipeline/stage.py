@@ -16,8 +16,8 @@ from torch.utils.checkpoint import checkpoint
 from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, SharedParameter, layers_of, shared_parameters
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
-from stagewise.pipeline.tied import retie
-from stagewise.pipeline.uses import ParameterUses, WeightUse, unseen_reads
+from stagewise.pipeline.split_backward import ParameterUses, WeightUse, unseen_reads
+from stagewise.pipeline.tied_weights import retie
 
 log = logging.getLogger(__name__)
 

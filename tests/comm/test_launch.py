@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import finish, run_ranks, start_ranks
+from support.multiproc import finish, run_ranks, start_ranks
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from stagewise.comm import LaunchError, Layout, StartMethod, free_port, launch, launch_module
-from stagewise.comm.failures import failures_of, stderr_tail
 from stagewise.comm.launch import cpu_shares
+from stagewise.comm.launch_failures import failures_of, stderr_tail
 
 
 def report_rank() -> tuple[int, int, str, str, int, str | None]:

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 
 from stagewise.comm import Coords, LaunchError, Layout, init_mesh
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 
 from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, TensorMeta, Transport, as_tensors, init_mesh
 from stagewise.comm.meta import DTYPES, decode, encode

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 
 from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh
-from stagewise.comm import shm as shm_module
-from stagewise.comm.shm import connect_shared_memory
+from stagewise.comm import shared_memory as shm_module
+from stagewise.comm.shared_memory import connect_shared_memory
 
 SIZES = [1, 3, 17, 4096, 4097, 70_000, 5 * 2**20 // 4]  # float32 elements: below, at and above segment sizes
 

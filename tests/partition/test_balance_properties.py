@@ -10,7 +10,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from stagewise.partition import CapacityError, Holding, MemoryModel, Tie, balance
+from stagewise.partition import CapacityError, MemoryModel, Tie, balance
+from stagewise.schedule import Holding
 
 # Integer-valued weights and memory make every sum exact in float64, so the
 # brute force and the solver agree to the bit, ties included.

@@ -12,7 +12,6 @@ from torch import nn
 from stagewise.models import preset
 from stagewise.partition import (
     CapacityError,
-    Holding,
     LayerCost,
     MemoryModel,
     Tie,
@@ -25,7 +24,7 @@ from stagewise.partition import (
     profile,
     shared_parameters,
 )
-from stagewise.pipeline import build, peak_in_flight
+from stagewise.schedule import Holding, build, peak_in_flight
 
 
 def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0) -> LayerCost:

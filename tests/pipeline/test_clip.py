@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from late import comm_error
-from multiproc import run_ranks
+from support.late import comm_error
+from support.multiproc import run_ranks
 from torch import nn
 
 from stagewise.comm import init_mesh

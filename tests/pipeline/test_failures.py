@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multiproc import run_ranks
+from support.multiproc import run_ranks
 from torch import nn
 
 from stagewise.comm import LaunchError, init_mesh

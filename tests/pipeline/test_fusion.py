@@ -8,27 +8,18 @@ from typing import Literal
 import pytest
 import torch
 import torch.nn.functional as F
-from chains import Chain
+from support.chains import Chain
 from torch import nn
 
-from stagewise.partition import Holding, layers_of
-from stagewise.pipeline import (
-    FusedWeightGradients,
-    Schedule,
-    ScheduleName,
-    WeightGradientFusion,
-    build,
-    free_pool,
-    holdings,
-    peak_in_flight,
-    validate,
-)
-from stagewise.pipeline.actions import Action, Kind, forwards_first
+from stagewise.partition import layers_of
+from stagewise.pipeline import FusedWeightGradients, WeightGradientFusion
 from stagewise.pipeline.executor import Executor
 from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.microbatch import split
+from stagewise.pipeline.split_backward import ParameterUses, WeightUse
 from stagewise.pipeline.stage import StageModule
-from stagewise.pipeline.uses import ParameterUses, WeightUse
+from stagewise.schedule import Holding, Schedule, ScheduleName, build, free_pool, holdings, peak_in_flight, validate
+from stagewise.schedule.actions import Action, Kind, forwards_first
 
 
 class TiedHead(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from chains import mse
-from multiproc import run_ranks
+from support.chains import mse
+from support.multiproc import run_ranks
 from torch import nn
 
 from stagewise.comm import init_mesh

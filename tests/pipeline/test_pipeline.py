@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from chains import Chain, mse, reference
-from multiproc import run_ranks
+from support.chains import Chain, mse, reference
+from support.multiproc import run_ranks
 
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition, layers_of
-from stagewise.pipeline import Pipeline, Schedule, WeightGradientFusion, build, materialise_model, validate
+from stagewise.pipeline import Pipeline, WeightGradientFusion, materialise_model
+from stagewise.schedule import Schedule, build, validate
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2)  # 7 layers
 SPLITS = {1: (0, 7), 2: (0, 3, 7), 3: (0, 2, 5, 7)}

@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from chains import KINDS, Chain, mse, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from multiproc import run_ranks
+from support.chains import KINDS, Chain, mse, reference
+from support.multiproc import run_ranks
 
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition

@@ -1,0 +1,277 @@
+"""Workload: what a model costs per layer for one micro-batch, profiled on meta, measured alone, or under load."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeAlias, cast
+
+import torch
+from torch import nn
+
+from stagewise.comm import Payload, as_tensors, launch
+from stagewise.models import preset
+from stagewise.partition import LayerCost, LiveBytes, SharedParameter, layers_of, profile, shared_parameters
+from stagewise.pipeline import LossFn
+
+log = logging.getLogger(__name__)
+
+Built: TypeAlias = "tuple[nn.Module, Payload, tuple[LossFn, Payload] | None]"
+"""What a model builder returns: the model on the meta device, one micro-batch of input, the loss and a target."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the profiled layers (one micro-batch of ``profiled_batch`` samples) and the batch."""
+
+    costs: tuple[LayerCost, ...]
+    """Per layer: parameters, FLOPs, activation bytes, and time when measured."""
+    profiled_batch: int
+    """Samples in the micro-batch the costs were measured on."""
+    global_batch: int
+    """Samples per optimizer step over all replicas."""
+    input_bytes: int
+    """Bytes of one profiled micro-batch of the first layer's input."""
+    tokens_per_sample: int = 1
+    """For throughput: tokens in one sample (the sequence length of a language model)."""
+    state_multiplier: float = 4.0
+    """Copies of each parameter kept: 4 for fp32 Adam (weights, gradients, two moments), 2 for SGD."""
+    optimizer_seconds_per_param: float | None = None
+    """Measured optimizer-step time per parameter; None derives it from the device's memory bandwidth."""
+    loss_seconds: tuple[float, float] = (0.0, 0.0)
+    """Forward and backward seconds of the loss on one profiled micro-batch, when measured."""
+    loss_bytes: int | None = None
+    """Bytes the loss holds at its fullest on one profiled micro-batch, with the output it reads
+    (:func:`measure_loss_bytes`); None: not known, and taken as one tensor the size of the output."""
+    shared: tuple[SharedParameter, ...] = ()
+    """Parameters several layers use (tied weights). A stage keeps one copy; copies on different ranks have
+    their gradients summed every step."""
+
+    def __post_init__(self) -> None:
+        for name in ("profiled_batch", "global_batch", "tokens_per_sample"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if not 0 <= self.state_multiplier < math.inf:
+            raise ValueError(f"state_multiplier must be >= 0 and finite, got {self.state_multiplier}")
+
+
+OptimizerKind: TypeAlias = Literal["adamw", "sgd"]
+"""The optimizers ``stagewise train`` uses: AdamW, or SGD with momentum 0.9."""
+
+
+def measure_optimizer(
+    device: torch.device, *, kind: OptimizerKind = "adamw", params: int = 1 << 24, repeats: int = 5
+) -> float:
+    """Seconds per parameter of one step of ``kind`` on ``device`` (median of ``repeats``)."""
+    weight = torch.nn.Parameter(torch.zeros(params, device=device))
+    weight.grad = torch.ones_like(weight)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.SGD([weight], lr=1e-3, momentum=0.9) if kind == "sgd" else torch.optim.AdamW([weight], lr=1e-3)
+    )
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - began)
+    return statistics.median(times[1:]) / params
+
+
+def measure_loss(
+    model: nn.Module,
+    sample: Payload,
+    loss: tuple[LossFn, Payload],
+    device: torch.device,
+    *,
+    repeats: int = 5,
+    output: Payload | None = None,
+) -> tuple[float, float]:
+    """Forward and backward seconds of ``loss_fn(output, target)`` on ``device`` (medians of ``repeats``);
+    ``output``: the model's output for ``sample`` on the meta device, where already known."""
+    loss_fn, target = loss
+    outputs = _to(_meta_output(model, sample) if output is None else output, device, random=True)
+    target = _to(target, device)
+    forward, backward = [], []
+    for _ in range(repeats + 1):
+        inputs = _to(outputs, device, fresh=True)
+        began = time.perf_counter()
+        value = loss_fn(inputs, target)
+        _sync(device)
+        middle = time.perf_counter()
+        torch.autograd.backward([value])
+        _sync(device)
+        forward.append(middle - began)
+        backward.append(time.perf_counter() - middle)
+    return statistics.median(forward[1:]), statistics.median(backward[1:])
+
+
+def measure_loss_bytes(
+    model: nn.Module, sample: Payload, loss: tuple[LossFn, Payload], *, output: Payload | None = None
+) -> int | None:
+    """Bytes the loss's forward and backward hold at their fullest, with the model's output they read, counted
+    on the meta device (:class:`~stagewise.partition.live_bytes.LiveBytes`); None where the loss cannot run there
+    (it reads values). For cross-entropy on logits: the logits, their log-softmax and the gradients of both.
+    ``output`` as for :func:`measure_loss`."""
+    loss_fn, target = loss
+    outputs = _to(_meta_output(model, sample) if output is None else output, torch.device("meta"), fresh=True)
+    try:
+        with LiveBytes() as live:
+            torch.autograd.backward([loss_fn(outputs, _to(target, torch.device("meta")))])
+    except Exception as err:  # a loss that reads values (.item(), .numpy()) or has no meta kernel: not counted
+        log.debug("the loss cannot run on the meta device (%s: %s); its working memory is not counted",
+                  type(err).__name__, err)  # fmt: skip
+        return None
+    return int(live.peak) + sum(int(t.untyped_storage().nbytes()) for t in as_tensors(outputs)[0])
+
+
+def _meta_output(model: nn.Module, sample: Payload) -> Payload:
+    """The model's output for ``sample``, on the meta device (only its shape is wanted)."""
+    on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    shaper = model if on_meta else copy.deepcopy(model).to("meta")
+    with torch.device("meta"):
+        return shaper(_to(sample, torch.device("meta")))  # type: ignore[no-any-return]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _to(payload: Any, device: torch.device, *, random: bool = False, fresh: bool = False) -> Any:
+    """``payload`` on ``device``: as is, as random values of its shape, or as fresh leaves that require grad."""
+    tensors, is_tuple = as_tensors(payload)
+    out = []
+    for t in tensors:
+        if random:
+            t = torch.randn(t.shape, device=device) if t.is_floating_point() else torch.zeros(t.shape, device=device)
+        elif fresh:
+            t = t.detach().clone().requires_grad_(t.is_floating_point())
+        else:
+            t = t.to(device)
+        out.append(t)
+    return tuple(out) if is_tuple else out[0]
+
+
+def workload(
+    model: nn.Module,
+    sample: Payload,
+    *,
+    global_batch: int,
+    tokens_per_sample: int = 1,
+    state_multiplier: float = 4.0,
+    measure_on: torch.device | str | None = None,
+    loss: tuple[LossFn, Payload] | None = None,
+    optimizer: OptimizerKind = "adamw",
+) -> Workload:
+    """Profile ``model`` (on the meta device, or timed on ``measure_on``) for one micro-batch ``sample``.
+
+    Timing runs with one intra-op thread on the CPU, as each rank of
+    ``stagewise train`` does, and also measures the optimizer step and, given
+    ``loss=(loss_fn, target)`` for the micro-batch, the loss.
+    """
+    tensors, _ = as_tensors(sample)
+    batch = int(tensors[0].shape[0])
+    per_param = None
+    loss_seconds = (0.0, 0.0)
+    output = None if loss is None else _meta_output(model, sample)  # once, for both of the loss's measures
+    if measure_on is not None:
+        device = torch.device(measure_on)
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            costs = profile(model, sample, time=True, device=device)
+            per_param = measure_optimizer(device, kind=optimizer)
+            if loss is not None:
+                loss_seconds = measure_loss(model, sample, loss, device, output=output)
+        finally:
+            torch.set_num_threads(threads)
+    else:
+        costs = profile(model, sample)
+    return Workload(
+        costs=tuple(costs),
+        shared=tuple(shared_parameters(layers_of(model))),
+        profiled_batch=batch,
+        global_batch=global_batch,
+        input_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        tokens_per_sample=tokens_per_sample,
+        state_multiplier=state_multiplier,
+        optimizer_seconds_per_param=per_param,
+        loss_seconds=loss_seconds,
+        loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss, output=output),
+    )
+
+
+def preset_model(name: str, micro_batch: int, seq_len: int | None) -> Built:
+    """A preset on the meta device, one micro-batch of its input, and its loss with a target for that input."""
+    config = preset(name)
+    sample = config.example(micro_batch, seq_len)
+    return config.build(device="meta"), sample, (cast(LossFn, config.loss), config.target(micro_batch, seq_len))
+
+
+def _profile_rank(
+    build: Callable[..., Built], args: tuple[Any, ...], options: Any, flag: str | None = None
+) -> Workload | None:
+    """Rank 0 profiles; the other ranks run the same layers meanwhile, to load the machine as training does."""
+    model, sample, loss = build(*args)
+    rank = int(os.environ.get("RANK", "0"))
+    if flag is None or rank == 0:
+        try:
+            return workload(model, sample, loss=loss, **options)
+        finally:
+            if flag is not None:
+                Path(flag).touch()
+    torch.set_num_threads(1)
+    while not Path(flag).exists():
+        profile(model, sample, time=True, device=options["measure_on"], warmup=0, repeats=1)
+    return None
+
+
+def workload_under_load(
+    build: Callable[..., Built],
+    args: tuple[Any, ...],
+    *,
+    concurrent: int,
+    global_batch: int,
+    tokens_per_sample: int = 1,
+    state_multiplier: float = 4.0,
+    measure_on: str = "cpu",
+    optimizer: OptimizerKind = "adamw",
+) -> Workload:
+    """Measure a workload in the first of ``concurrent`` local processes while the others run the same layers.
+
+    The ranks of a job that share one machine's cores (or memory bandwidth)
+    slow each other down, so a profile taken alone is too optimistic for
+    them; this one is taken under the same load. ``build(*args)`` must be
+    importable by the spawned processes and return the model (on the meta
+    device), one micro-batch of its input, and the loss with its target (or None).
+    """
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1, got {concurrent}")
+    options = {
+        "global_batch": global_batch,
+        "tokens_per_sample": tokens_per_sample,
+        "state_multiplier": state_multiplier,
+        "measure_on": measure_on,
+        "optimizer": optimizer,
+    }
+    if concurrent == 1:
+        alone = _profile_rank(build, args, options)
+        assert alone is not None
+        return alone
+    with tempfile.TemporaryDirectory(prefix="stagewise-plan-") as folder:
+        measured = launch(_profile_rank, concurrent, build, args, options, str(Path(folder) / "done"))[0]
+    assert measured is not None
+    return measured

@@ -1,0 +1,139 @@
+"""TrainConfig: everything one training run needs, checked on construction; its defaults are the embedded job."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from stagewise.models import GPTConfig, preset
+from stagewise.pipeline import NonFinite, WeightGradientFusion
+from stagewise.schedule import ScheduleName
+
+Optimizer = Literal["adamw", "sgd"]
+"""The optimizers ``train`` offers."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; the defaults are the embedded job that runs on a 2-core laptop."""
+
+    model: str = "gpt-tiny"
+    """Model preset (see ``stagewise.models.PRESETS``)."""
+    stages: int = 2
+    """Pipeline ranks; with ``virtual`` stages each, the model is split into ``stages * virtual`` stages."""
+    virtual: int = 1
+    """Stages per pipeline rank (2 or more for the interleaved schedule)."""
+    dp: int = 1
+    """Data-parallel replicas of the whole pipeline; the job runs ``stages * dp`` processes."""
+    schedule: ScheduleName = "1f1b"
+    """Pipeline schedule."""
+    microbatches: int = 4
+    """Micro-batches per step and replica."""
+    batch_size: int = 32
+    """Samples per step over all replicas (the global batch)."""
+    seq_len: int = 128
+    """Tokens per sequence, for GPT presets."""
+    steps: int = 300
+    """Optimizer steps in all; the learning-rate schedule spans them."""
+    stop_after: int | None = None
+    """End this run after this step, with a checkpoint, to resume later (a job time limit); None runs to the end."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after ``warmup`` steps and decayed along a cosine to a tenth."""
+    warmup: int = 10
+    """Steps of linear learning-rate warm-up."""
+    optimizer: Optimizer = "adamw"
+    """AdamW (weight decay 0.01) or SGD with momentum 0.9."""
+    clip: float = 1.0
+    """Clip the gradients' global norm to this; 0 turns clipping off."""
+    bf16: bool = False
+    """Run forwards under bfloat16 autocast."""
+    activation_checkpointing: bool = False
+    """Recompute activations in backward instead of keeping them."""
+    weight_gradient_fusion: bool = True
+    """Accumulate large linear weights' gradients inside the backward (:class:`WeightGradientFusion`); False leaves
+    every weight gradient to autograd."""
+    weight_gradient_pool: int | Literal["free"] | None = "free"
+    """Backwards of a rank whose weight gradients are pooled into one GEMM per weight (more memory held, less memory
+    traffic); "free": as many as fit in the pipeline's peak in flight (a whole step for GPipe); None: only within
+    each stage's own micro-batches in flight (a whole step for GPipe, none for the others; see
+    :attr:`WeightGradientFusion.pool`)."""
+    seed: int = 0
+    """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
+    data: str | None = None
+    """Text file or folder for GPT presets; by default the Python standard library's source."""
+    data_limit: int | None = None
+    """Bytes of the text read at most; None: all of ``data``, or 8 MiB of the standard library's source."""
+    eval_every: int = 100
+    """Evaluate on the validation split every this many steps (and at the end); 0 only at the end."""
+    eval_batches: int = 4
+    """Validation batches per evaluation."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; none are written without it."""
+    checkpoint_every: int = 0
+    """Save every this many steps (and at the end); 0 only at the end."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``checkpoint_dir``. Without it a run refuses a
+    ``checkpoint_dir`` that already holds checkpoints (an earlier run's), except when torchrun's agent has
+    restarted it after a failure: a restart continues from the latest checkpoint of its own job (see
+    :func:`train`)."""
+    trace: str | None = None
+    """Write a Chrome/Perfetto trace of this run's last step here (one file per rank)."""
+    timeout: float = 300.0
+    """Seconds any rank waits for another before failing with a named error."""
+    nonfinite: NonFinite = "raise"
+    """On a NaN or infinite loss: "raise" (naming the step and micro-batch) or "skip" the step."""
+    partition: tuple[int, ...] | None = None
+    """Stage boundaries to use (e.g. from ``stagewise plan``) instead of splitting by FLOPs."""
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "virtual", "dp", "microbatches", "batch_size", "seq_len", "steps", "eval_batches"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if self.data_limit is not None and (isinstance(self.data_limit, bool) or not self.data_limit >= 1):
+            raise ValueError(f"data_limit must be a number of bytes >= 1 (or None: all), got {self.data_limit!r}")
+        for name in ("warmup", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name, value in (("lr", self.lr), ("timeout", self.timeout)):
+            if not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number, got {value}")
+        pool = self.weight_gradient_pool
+        try:
+            WeightGradientFusion(pool=pool)  # the one place that knows which pools are valid
+        except ValueError as err:
+            raise ValueError(
+                f"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got {pool!r}"
+            ) from err
+        if isinstance(pool, int) and not self.weight_gradient_fusion:
+            raise ValueError(
+                f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "
+                "turn fusion on or leave the pool out"
+            )
+        if not 0 <= self.clip < math.inf:
+            raise ValueError(f"clip must be a finite number >= 0 (0 turns it off), got {self.clip}")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"stop_after must be in 1..steps={self.steps}, got {self.stop_after}")
+        if self.stop_after is not None and self.checkpoint_dir is None:
+            raise ValueError(
+                f"stop_after={self.stop_after} ends the run to resume it later, but without checkpoint_dir nothing is "
+                "saved to resume from; give a checkpoint directory, or fewer steps"
+            )
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume needs checkpoint_dir: the folder to resume from")
+        preset(self.model)  # an unknown preset fails here, with the choices
+        if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
+            raise ValueError(
+                f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "
+                f"= {self.stages * self.virtual}; give {self.stages * self.virtual + 1} boundaries"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.dp
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens in one sample: the sequence length for a GPT preset, else 1 (a sample counts as one)."""
+        return self.seq_len if isinstance(preset(self.model), GPTConfig) else 1

@@ -1,0 +1,237 @@
+"""The training job run on every rank: a preset model, its data, the Pipeline, evaluation and checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch.utils.data import Dataset
+
+from stagewise import checkpoint
+from stagewise.comm import init_mesh
+from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
+from stagewise.models.text import text_splits
+from stagewise.partition import Partition, auto, balance, layers_of
+from stagewise.pipeline import Batch, DataParallel, LossFn, Pipeline, StageLoader, WeightGradientFusion
+from stagewise.pipeline.config import checked_schedule
+from stagewise.run.config import TrainConfig
+from stagewise.run.resume import starting_point
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Summary:
+    """What a run did: per-step losses and times, evaluations, and where its outputs are."""
+
+    config: dict[str, Any]
+    partition: list[int]
+    """The stage boundaries chosen by the partitioner."""
+    parameters: int
+    """Parameters of the unsplit model (a tied one once)."""
+    first_step: int
+    """The step this run started from (above 0 when resumed)."""
+    losses: list[float] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    """(step, validation loss) pairs."""
+    samples_per_step: int = 0
+    tokens_per_sample: int = 1
+    checkpoint: str | None = None
+    """The last checkpoint written."""
+    skipped: list[int] = field(default_factory=list)
+    """Steps skipped for a non-finite loss."""
+
+    def throughput(self) -> float:
+        """Tokens (or samples) per second over the run's steps after the first."""
+        timed = self.step_seconds[1:] or self.step_seconds
+        return self.samples_per_step * self.tokens_per_sample * len(timed) / max(sum(timed), 1e-9)
+
+
+StepCallback = Callable[[int, float, float], None]
+"""``callback(step, loss, seconds)`` after each step, on every rank."""
+
+
+def _datasets(config: TrainConfig, model: ModelConfig) -> tuple[Dataset[Any], Dataset[Any]]:
+    """Training and validation data for the model."""
+    if isinstance(model, GPTConfig):
+        if config.seq_len > model.seq_len:
+            raise ValueError(f"seq_len={config.seq_len} exceeds {config.model}'s longest sequence, {model.seq_len}")
+        splits = text_splits(config.data, config.seq_len, limit=config.data_limit)
+        return splits.train, splits.val
+    n = 64 * config.batch_size
+    if isinstance(model, MLPConfig):
+        return teacher_regression(model, n, seed=1), teacher_regression(model, n // 8, seed=2)
+    assert isinstance(model, CNNConfig)
+    return pattern_images(model, n, seed=1), pattern_images(model, n // 8, seed=2)
+
+
+def _optimizer(config: TrainConfig, pipe: Pipeline) -> torch.optim.Optimizer:
+    params = list(pipe.parameters())
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=config.lr, weight_decay=0.01)
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then a cosine down to ``lr / 10`` at the last step."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    span = max(1, config.steps - config.warmup)
+    progress = min(1.0, (step - config.warmup) / span)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _batches(loader: StageLoader, start: checkpoint.Progress) -> Iterator[tuple[int, int, Batch]]:
+    """(epoch, index in epoch, batch) forever, from the position ``start``."""
+    epoch, first = start.epoch, start.batch
+    while True:
+        loader.set_epoch(epoch, start=first)
+        for offset, batch in enumerate(loader):
+            yield epoch, first + offset, batch
+        epoch, first = epoch + 1, 0
+
+
+def _evaluate(pipe: Pipeline, loader: StageLoader, config: TrainConfig) -> float:
+    losses = []
+    pipe.eval()
+    for _, batch in zip(range(config.eval_batches), loader, strict=False):
+        losses.append(float(pipe.evaluate(batch.inputs, batch.targets)))
+    pipe.train()
+    return sum(losses) / len(losses)
+
+
+def preflight(config: TrainConfig) -> None:
+    """What :func:`train` would refuse in ``config`` before its first step, checked in this process alone: the
+    model's layers against the stages, the schedule, the data and the batches. A launcher calls it before it
+    starts any process, so a bad value is one message rather than a traceback from every rank."""
+    model_config = preset(config.model)
+    layers = layers_of(model_config.build(device="meta"))
+    n_stages = config.stages * config.virtual
+    part = (
+        Partition.from_bounds(config.partition)
+        if config.partition is not None
+        else balance([1.0] * len(layers), n_stages)
+    )
+    checked_schedule(
+        layers, part, config.schedule, config.microbatches, n_virtual=config.virtual,
+        loss_fn=cast(LossFn, model_config.loss), activation_checkpointing=config.activation_checkpointing,
+        loss_reduction="mean", fuse_weight_gradients=None, nonfinite=config.nonfinite, data_parallel=None,
+    )  # fmt: skip
+    train_data, val_data = _datasets(config, model_config)
+    for data, shuffle in ((train_data, True), (val_data, False)):
+        StageLoader(
+            data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
+            n_microbatches=config.microbatches, shuffle=shuffle,
+        )  # fmt: skip
+
+
+def build_pipeline(config: TrainConfig) -> Pipeline:
+    """The Pipeline of ``config`` on this rank: the preset on the meta device, split exactly by FLOPs."""
+    mesh = init_mesh(config.stages, config.dp, timeout=config.timeout)
+    model_config = preset(config.model)
+    model = model_config.build(device="meta")
+    n_stages = config.stages * config.virtual
+    micro = max(1, config.batch_size // config.dp // config.microbatches)
+    sample = model_config.example(micro, config.seq_len if config.tokens_per_sample > 1 else None)
+    part: Partition = (
+        Partition.from_bounds(config.partition)
+        if config.partition is not None
+        else auto(model, n_stages, sample, by="flops")
+    )
+    return Pipeline(
+        model,
+        part,
+        schedule=config.schedule,
+        n_microbatches=config.microbatches,
+        loss_fn=cast(LossFn, model_config.loss),
+        mesh=mesh,
+        n_virtual=config.virtual,
+        activation_checkpointing=config.activation_checkpointing,
+        autocast=torch.bfloat16 if config.bf16 else None,
+        seed=config.seed,
+        timeout=config.timeout,
+        data_parallel=DataParallel(),
+        nonfinite=config.nonfinite,
+        fuse_weight_gradients=WeightGradientFusion(pool=config.weight_gradient_pool)
+        if config.weight_gradient_fusion
+        else None,
+    )
+
+
+def train(
+    config: TrainConfig,
+    *,
+    on_start: Callable[[Pipeline], None] | None = None,
+    on_step: StepCallback | None = None,
+) -> Summary:
+    """Run ``config`` on this rank of a job started by torchrun or :func:`stagewise.comm.launch`.
+
+    ``on_start(pipe)`` runs once the pipeline is built; ``on_step(step, loss,
+    seconds)`` after every step. Returns this rank's :class:`Summary` (the
+    losses are the global batch's on every rank).
+
+    Where it starts, afresh or from a checkpoint, is :func:`~stagewise.run.resume.starting_point`'s choice. A
+    restart that finds its job's checkpoint at the last step trains nothing: it evaluates, and returns a
+    Summary without steps.
+    """
+    torch.manual_seed(config.seed)
+    pipe = build_pipeline(config)
+    if on_start is not None:
+        on_start(pipe)
+    model_config = preset(config.model)
+    train_data, val_data = _datasets(config, model_config)
+    loader = StageLoader.of(pipe, train_data, global_batch_size=config.batch_size, seed=config.seed)
+    # Built now, so that a validation split too small for one batch fails before training, not after it.
+    val_loader = StageLoader.of(pipe, val_data, global_batch_size=config.batch_size, shuffle=False)
+    optimizer = _optimizer(config, pipe)
+    start = starting_point(config, pipe, optimizer)
+    position, found = start.position, start.checkpoint
+    params = sum(p.numel() for p in model_config.build(device="meta").parameters())
+    summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
+    summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
+    batches = _batches(loader, position)
+    end = config.steps if config.stop_after is None else config.stop_after
+    for step in range(position.step, end):
+        epoch, index, batch = next(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step)
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if config.trace is not None and step == end - 1:
+            pipe.trace = Path(config.trace)
+        loss = float(pipe.step(batch.inputs, batch.targets))
+        pipe.trace = None  # the evaluation after it must not overwrite the step's trace
+        if pipe.skipped:
+            summary.skipped.append(step + 1)
+        else:
+            if config.clip > 0:
+                pipe.clip_grad_norm_(config.clip)
+            optimizer.step()
+        seconds = time.perf_counter() - began
+        summary.losses.append(loss)
+        summary.step_seconds.append(seconds)
+        done = step + 1
+        if on_step is not None:
+            on_step(done, loss, seconds)
+        if config.checkpoint_dir is not None and (
+            done == end or (config.checkpoint_every and done % config.checkpoint_every == 0)
+        ):
+            wraps = index + 1 == loader.steps_per_epoch
+            progress = checkpoint.Progress(
+                done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size,
+                seed=config.seed, sample_length=config.tokens_per_sample,
+            )  # fmt: skip
+            summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
+        if done == end or (config.eval_every and done % config.eval_every == 0):
+            summary.evals.append((done, _evaluate(pipe, val_loader, config)))
+    if position.step >= end:  # a restart after this job's last save (starting_point): only the evaluation is left
+        summary.checkpoint = str(found)
+        summary.evals.append((position.step, _evaluate(pipe, val_loader, config)))
+    return summary

@@ -1,0 +1,164 @@
+"""The built-in schedules, each defined once: GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Literal, get_args
+
+from stagewise.schedule.actions import Action, Kind, Schedule
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+"""The schedules :func:`build` knows."""
+
+
+def gpipe(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
+    """Fill-drain (GPipe): every forward, then every backward; each stage holds all ``m`` micro-batches."""
+    m = n_microbatches
+    return [[Action(r, Kind.F, i) for i in range(m)] + [Action(r, Kind.B, i) for i in range(m)] for r in range(n_ranks)]
+
+
+def one_f_one_b(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
+    """PipeDream-flush (1F1B): ``p - r - 1`` warm-up forwards, then alternate F and B, then drain.
+
+    Rank ``r`` holds at most ``min(p - r, m)`` micro-batches; the bubble is GPipe's.
+    """
+    p, m = n_ranks, n_microbatches
+    ranks = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order = [Action(r, Kind.F, i) for i in range(warm)]
+        for i in range(m - warm):
+            order += [Action(r, Kind.F, warm + i), Action(r, Kind.B, i)]
+        order += [Action(r, Kind.B, i) for i in range(m - warm, m)]
+        ranks.append(order)
+    return ranks
+
+
+def interleaved_one_f_one_b(n_ranks: int, n_virtual: int, n_microbatches: int) -> list[list[Action]]:
+    """Megatron-LM's interleaved 1F1B: rank ``r`` holds stages ``r, r + p, ...``, ``v`` of them.
+
+    Micro-batches go through a rank's stages in groups of ``p``, so ``m`` must
+    be a multiple of ``p``. Warm-up is ``2 (p - r - 1) + (v - 1) p`` forwards
+    (all of them when ``m == p``), then 1F1B over the ``m v`` stage-micro-batches.
+    The bubble shrinks by about ``v`` against 1F1B; each rank holds more
+    micro-batches in flight.
+    """
+    p, v, m = n_ranks, n_virtual, n_microbatches
+    total = m * v
+
+    def forward(k: int) -> Action:
+        chunk = (k // p) % v
+        return Action(chunk * p + r, Kind.F, (k // (p * v)) * p + k % p)
+
+    def backward(k: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        return Action(chunk * p + r, Kind.B, (k // (p * v)) * p + k % p)
+
+    ranks = []
+    for r in range(p):
+        warm = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
+        order = [forward(k) for k in range(warm)]
+        for k in range(total - warm):
+            order += [forward(warm + k), backward(k)]
+        order += [backward(k) for k in range(total - warm, total)]
+        ranks.append(order)
+    return ranks
+
+
+def zero_bubble(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al., 2023): backward split into I (input gradient) and W (weight gradient).
+
+    I is on the critical path and W is not, so W waits and fills the slots
+    where 1F1B idles. The order comes from list-scheduling unit-time actions:
+    at each step a free rank runs the first that can start of I, then F, then
+    W. F may start while fewer than ``min(p - r, m)`` micro-batches are
+    between F and I (1F1B's in-flight bound, so peak activation memory equals
+    1F1B's) and fewer than ``p - 1`` more await W (the weight-gradient state
+    kept). With F = I = W the bubble is a third of 1F1B's.
+    """
+    p, m = n_ranks, n_microbatches
+    f_end: dict[tuple[int, int], int] = {}
+    i_end: dict[tuple[int, int], int] = {}
+    next_f = [0] * p
+    waiting: list[deque[int]] = [deque() for _ in range(p)]  # forwarded, awaiting I
+    pending: list[deque[int]] = [deque() for _ in range(p)]  # I done, awaiting W
+    ranks: list[list[Action]] = [[] for _ in range(p)]
+    t = 0
+    while any(len(order) < 3 * m for order in ranks):
+        for r in range(p):
+            limit = min(p - r, m)
+            choice: Action | None = None
+            if waiting[r]:
+                mb = waiting[r][0]
+                grad_at = f_end[(r, mb)] if r == p - 1 else i_end.get((r + 1, mb), t + 1)
+                if grad_at <= t:
+                    choice = Action(r, Kind.I, mb)
+            if choice is None and next_f[r] < m and len(waiting[r]) < limit:
+                input_at = 0 if r == 0 else f_end.get((r - 1, next_f[r]), t + 1)
+                if input_at <= t and len(waiting[r]) + len(pending[r]) < limit + p - 1:
+                    choice = Action(r, Kind.F, next_f[r])
+            if choice is None and pending[r]:
+                choice = Action(r, Kind.W, pending[r][0])
+            if choice is None:
+                continue
+            ranks[r].append(choice)
+            if choice.kind is Kind.F:
+                f_end[(r, choice.microbatch)] = t + 1
+                waiting[r].append(choice.microbatch)
+                next_f[r] += 1
+            elif choice.kind is Kind.I:
+                i_end[(r, choice.microbatch)] = t + 1
+                pending[r].append(waiting[r].popleft())
+            else:
+                pending[r].popleft()
+        t += 1
+    return ranks
+
+
+_BUILDERS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
+    "gpipe": lambda p, v, m: gpipe(p, m),
+    "1f1b": lambda p, v, m: one_f_one_b(p, m),
+    "interleaved-1f1b": interleaved_one_f_one_b,
+    "zero-bubble": lambda p, v, m: zero_bubble(p, m),
+}
+
+
+def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: int = 1) -> Schedule:
+    """The schedule ``name`` for ``n_stages`` stages and ``n_microbatches`` micro-batches.
+
+    ``n_virtual`` is the number of stages per rank, so the pipeline has
+    ``n_stages // n_virtual`` ranks; only "interleaved-1f1b" takes more than 1.
+
+    Raises:
+        ValueError: an unknown name, or counts the schedule cannot take; the
+            message gives the values and what would fit.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {list(get_args(ScheduleName))}")
+    for field, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{field} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{field} must be >= 1, got {value}")
+    if name == "interleaved-1f1b":
+        if n_virtual < 2:
+            raise ValueError(
+                f"interleaved-1f1b needs n_virtual >= 2 stages per rank, got {n_virtual}; use '1f1b' for one"
+            )
+    elif n_virtual != 1:
+        raise ValueError(f"{name} runs one stage per rank; got n_virtual={n_virtual}. Use 'interleaved-1f1b'")
+    if n_stages % n_virtual:
+        raise ValueError(
+            f"n_stages={n_stages} is not a multiple of n_virtual={n_virtual}; "
+            f"each of the n_stages / n_virtual ranks holds n_virtual stages"
+        )
+    n_ranks = n_stages // n_virtual
+    if name == "interleaved-1f1b" and n_microbatches % n_ranks:
+        fits = n_ranks * max(1, round(n_microbatches / n_ranks))
+        raise ValueError(
+            f"interleaved-1f1b needs n_microbatches to be a multiple of the number of ranks "
+            f"({n_ranks} = {n_stages} stages / {n_virtual} per rank), got {n_microbatches}; try {fits}"
+        )
+    ranks = _BUILDERS[name](n_ranks, n_virtual, n_microbatches)
+    return Schedule(name, n_stages, n_microbatches, tuple(tuple(r) for r in ranks))

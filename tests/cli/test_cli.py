@@ -1,0 +1,303 @@
+"""The command line: `partition` prints the optimal split, `train` runs the main job, and bad values are refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stagewise.cli import main, parser
+from stagewise.cli import train as cli_train
+from stagewise.cli.train import config_of
+from stagewise.partition import Partition
+from stagewise.run import Summary, TrainConfig
+
+
+def test_partition_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    assert main(["partition", "--model", "gpt-tiny", "--stages", "3", "--json", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert "gpt-tiny: 7 layers" in out
+    assert "embed .. " in out and ".. head" in out
+    part = Partition.from_json(out_file.read_text())
+    assert part.n_stages == 3 and part.n_layers == 7
+    assert part.names is not None and part.names[0] == "embed"
+
+
+def test_partition_by_time_with_capacity(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["partition", "--model", "gpt-tiny", "--stages", "2", "--by", "time", "--capacity", "1GiB"])
+    assert code == 0
+    assert "balanced by time" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stages", "9"], "cannot split 7 layers into 9 non-empty stages"),
+        (["--capacity", "6MiB"], "no split of 7 layers into 4 stages fits the capacities"),
+        (["--capacity", "1KiB"], "alone needs"),
+        (["--speeds", "1,2,3"], "--speeds has 3 values for 4 stages"),
+        (["--seq-len", "4096"], "a sequence length of 4096 exceeds the model's longest, 128"),
+        (["--device", "cpu"], "--device says where --by time measures; add --by time, or leave --device out"),
+        (["--model", "mlp-tiny", "--seq-len", "64"], "--seq-len applies to the GPT presets; mlp-tiny takes no"),
+    ],
+)
+def test_bad_values_give_exit_2_and_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["partition", "--model", "gpt-tiny", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--stages", "0"], ["--stages", "x"], ["--model", "nope"], ["--capacity", "lots"], ["--by", "vibes"]],
+)
+def test_invalid_arguments_are_refused_by_the_parser(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["partition", *argv])
+    assert info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_checkpoints_every_n_steps_and_none_at_all_are_refused_together(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--no-checkpoints", "--checkpoint-every", "4"]) == 2
+    assert "--checkpoint-every 4 saves checkpoints, but --no-checkpoints writes none" in capsys.readouterr().err
+
+
+def test_a_device_the_parser_cannot_use_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, error in (
+        (["partition", "--by", "time", "--device", "foo"], "'foo' is not a device; use cpu, cuda or cuda:N"),
+        (["plan", "--profile", "--device", "foo"], "'foo' is not a device; use cpu, cuda or cuda:N"),
+    ):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert error in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["partition", "--by", "time", "--device", "cuda"])
+        assert "cuda is not available here" in capsys.readouterr().err
+
+
+def test_a_schedule_file_refuses_the_built_in_shape_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "mine.txt"
+    path.write_text("rank 0: 0F0 1F0 1B0 0B0\n")
+    assert main(["schedule", "--file", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["schedule", "--file", str(path), "--stages", "4", "--virtual", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--stages, --virtual shape a built-in schedule; a --file schedule has its own" in err
+
+
+def test_a_size_the_parser_cannot_read_says_how_to_write_one(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["partition", "--capacity", "80GiB,10XB"], ["plan", "--gpu-memory", "10XB"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "cannot read '10XB' as a size; write a number with an optional unit" in capsys.readouterr().err
+
+
+def test_module_entry_point() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "stagewise", "partition", "--model", "gpt-tiny", "--stages", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "bottleneck" in out.stdout
+
+
+def test_schedule_prints_the_simulation(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    picture, trace = tmp_path / "zb.png", tmp_path / "zb.json"
+    argv = ["schedule", "zero-bubble", "--input-grad", "1", "--weight-grad", "1", "--trace", str(trace), "--text"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: 0F0 0F1 0F2 0F3 0I0" in out
+    assert "step time 27, bubble 11.1%" in out
+    assert "peak micro-batches in flight per stage: 7 6 5 4" in out  # each held until its W
+    assert trace.exists()
+    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+    assert main(["schedule", "1f1b", "--picture", str(picture)]) == 0
+    assert picture.read_bytes().startswith(b"\x89PNG")
+
+
+def test_schedule_from_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "mine.txt"
+    path.write_text("rank 0: 0F0 0F1 0B0 0B1\nrank 1: 1F0 1B0 1F1 1B1\n")
+    assert main(["schedule", "--file", str(path)]) == 0
+    assert "mine: 2 stages on 2 ranks, 2 micro-batches: valid" in capsys.readouterr().out
+    path.write_text("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1\n")
+    assert main(["schedule", "--file", str(path)]) == 2
+    assert "deadlock" in capsys.readouterr().err
+
+
+def test_schedule_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["schedule", "interleaved-1f1b", "--stages", "8", "--virtual", "2", "--microbatches", "6"]) == 2
+    assert "multiple of the number of ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["schedule", "pipedream"])
+
+
+@pytest.mark.timeout(240)
+def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["--steps", "12", "--warmup", "2", "--batch-size", "8", "--seq-len", "32", "--eval-every", "6"]
+    argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "6"]
+    argv += ["--trace", str(out / "traces" / "step.json")]  # a folder that does not exist yet
+    done = subprocess.run(
+        [sys.executable, "-m", "stagewise", "-v", "train", *argv], capture_output=True, text=True, timeout=230,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stagewise.pipeline.pipe: rank 1 holds stages [1]" in done.stderr  # -v reaches the launched processes
+    assert "backend gloo" in done.stdout and "pp=2 x dp=1 on 2 processes" in done.stdout
+    assert "train: 100%" in done.stderr  # rank 0's progress bar reaches the terminal
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["losses"]) == 12 and summary["losses"][-1] < summary["losses"][0] - 1.0
+    assert [step for step, _ in summary["evals"]] == [6, 12]
+    assert (out / "loss.png").stat().st_size > 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["job", "step-00000006", "step-00000012"]
+    assert f"checkpoint {out / 'ckpt' / 'step-00000012'}" in done.stdout
+    for rank in range(2):
+        events = json.loads((out / "traces" / f"step.rank{rank}.json").read_text())["traceEvents"]
+        names = [e.get("name", "") for e in events]
+        # The last training step's actions, as they ran: its backwards too (the evaluation after it runs forwards
+        # only and must not overwrite the file).
+        assert any(n.endswith("F0") for n in names) and any(n.endswith(f"{rank}B0") for n in names), names
+
+
+def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--stages", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
+                 "--lr", "--optimizer", "--bf16", "--activation-checkpointing", "--seed", "--data", "--checkpoint-dir",
+                 "--checkpoint-every", "--resume", "--trace", "--weight-grad-pool",
+                 "--no-weight-grad-fusion", "--pin-cores"):  # fmt: skip
+        assert flag in text, flag
+
+
+def test_train_flags_set_how_weight_gradients_accumulate() -> None:
+    def config(*argv: str) -> TrainConfig:
+        return config_of(parser().parse_args(["train", *argv]))
+
+    assert (config().weight_gradient_fusion, config().weight_gradient_pool) == (True, "free")
+    assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
+    assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
+    assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
+    assert config().data_limit is None and config("--data-limit", "64MiB").data_limit == 64 << 20
+
+
+class LaunchedError(Exception):
+    """Raised by a stand-in for launch once it has seen its options."""
+
+
+def test_launcher_options_reach_launch_and_are_refused_under_torchrun(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the default checkpoint and output folders: fresh ones
+    seen: list[dict[str, object]] = []
+
+    def launch(fn: object, nprocs: int, *args: object, **options: object) -> None:
+        seen.append(options)
+        raise LaunchedError
+
+    monkeypatch.setattr(cli_train, "launch", launch)
+    for argv in (["train"], ["train", "--pin-cores"]):
+        with pytest.raises(LaunchedError):
+            cli_train.run(parser().parse_args(argv))
+    assert [options["pin_cores"] for options in seen] == [False, True]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-torchrun-job")  # as torchrun sets it
+    assert main(["train", "--pin-cores"]) == 2
+    assert "--pin-cores applies when stagewise starts the processes; torchrun started these" in capsys.readouterr().err
+    assert main(["train", "--max-restarts", "3"]) == 2
+    restarts = "give torchrun --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
+    assert restarts in capsys.readouterr().err
+    assert main(["train", "--max-restarts", "-4"]) == 2
+    assert "--max-restarts must be >= 0, got -4" in capsys.readouterr().err
+
+
+def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "gpt-tiny", "--resume", "--no-checkpoints"]) == 2
+    assert "resume needs checkpoint_dir" in capsys.readouterr().err
+    assert main(["train", "--stop-after", "400"]) == 2
+    assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err
+    assert main(["train", "--stop-after", "4", "--no-checkpoints"]) == 2  # was accepted: nothing to resume from
+    assert "stop_after=4 ends the run to resume it later, but without checkpoint_dir nothing is saved" in (
+        capsys.readouterr().err
+    )
+    for flag, value in (("--seq-len", "64"), ("--data", "books/"), ("--data-limit", "1MiB")):
+        assert main(["train", "--model", "mlp-tiny", flag, value]) == 2
+        assert f"{flag} applies to the GPT presets, which read text; mlp-tiny trains on data of its own" in (
+            capsys.readouterr().err
+        )
+    assert main(["train", "--no-weight-grad-fusion", "--weight-grad-pool", "2"]) == 2
+    assert "weight_gradient_pool=2 pools fused weight gradients, but weight_gradient_fusion is off" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["train", "--weight-grad-pool", "0"])
+    assert "--weight-grad-pool: expected a number >= 1 or 'free', got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stages", "1", "--virtual", "8"], "cannot split 7 layers into 8 non-empty stages; use n_stages <= 7"),
+        (["--schedule", "zero-bubble", "--activation-checkpointing"], "activation checkpointing and split backward"),
+        (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs n_virtual >= 2 stages per rank, got 1"),
+        (["--batch-size", "2", "--microbatches", "4"], "global_batch_size=2 is smaller than dp=1 x n_microbatches=4"),
+        (["--seq-len", "4096"], "seq_len=4096 exceeds gpt-tiny's longest sequence, 128"),
+        (["--data", "/nonexistent"], "no text file or folder at /nonexistent; pass an existing --data path"),
+        (["--timeout", "inf"], "timeout must be a positive, finite number, got inf"),
+        (["--clip", "nan"], "clip must be a finite number >= 0 (0 turns it off), got nan"),
+    ],
+)
+def test_train_refuses_what_its_ranks_would_before_starting_them(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # These reached the launched processes: exit 1 and a traceback from each rank, after the start-up.
+    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
+    assert main(["train", "--no-checkpoints", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An unwritable --out, --trace or checkpoint folder was found only after every step had run.
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    assert main(["train", "--no-checkpoints", "--out", str(blocked / "out")]) == 2
+    assert f"--out: cannot make the folder {blocked}/out (Not a directory); choose a writable one" in (
+        capsys.readouterr().err
+    )
+    assert main(["train", "--no-checkpoints", "--trace", str(blocked / "step.json"), "--out", str(tmp_path)]) == 2
+    assert f"--trace: cannot make the folder {blocked} (File exists)" in capsys.readouterr().err
+
+
+def test_a_fresh_run_into_an_earlier_runs_checkpoints_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Refused only inside the launched processes, a run with --max-restarts was restarted by the agent, and the
+    # restart continued the earlier run's checkpoints.
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / ".metadata").write_bytes(b"")
+    code = main(["train", "--checkpoint-dir", str(tmp_path), "--max-restarts", "1", "--out", str(tmp_path / "o")])
+    assert code == 2
+    assert "already holds checkpoints (the latest step-00000004), from an earlier run" in capsys.readouterr().err
+
+
+def test_the_summary_is_strict_json_when_a_step_was_skipped(tmp_path: Path) -> None:
+    # A skipped step's NaN loss was written as a bare NaN, which strict JSON readers refuse.
+    summary = Summary({"model": "gpt-tiny"}, [0, 7], 10, 0, losses=[2.5, float("nan"), 2.0], skipped=[2])
+    summary.step_seconds = [0.1, 0.1, 0.1]
+    cli_train.report(summary, tmp_path)
+    text = (tmp_path / "summary.json").read_text()
+    data = json.loads(text, parse_constant=lambda word: pytest.fail(f"not strict JSON: {word}"))
+    assert data["losses"] == [2.5, None, 2.0] and data["skipped"] == [2]

@@ -1,0 +1,140 @@
+"""Built schedules: all validate, and their simulated bubble and memory match the theory."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from stagewise.schedule import Kind, SimulationResult, StageCosts, build, simulate, validate
+
+ranks = st.integers(1, 8)
+microbatches = st.integers(1, 32)
+
+
+def exact_bubble(result: SimulationResult, n_ranks: int) -> Fraction:
+    # Unit costs make every time an integer (or a multiple of 1/v), so these float sums are exact.
+    return 1 - Fraction(sum(result.busy)) / (n_ranks * Fraction(result.step_time))
+
+
+def unit(n_stages: int) -> StageCosts:
+    return StageCosts.of(n_stages, forward=1.0, backward=2.0)
+
+
+def split_unit(n_stages: int) -> StageCosts:
+    return StageCosts.of(n_stages, forward=1.0, input_grad=1.0, weight_grad=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks, microbatches, st.sampled_from(["gpipe", "1f1b", "zero-bubble"]))
+def test_every_built_schedule_validates(p: int, m: int, name: str) -> None:
+    schedule = build(name, p, m)  # type: ignore[arg-type]
+    report = validate(schedule)
+    assert len(report.peak_in_flight) == p
+    actions = [a for r in schedule.ranks for a in r]
+    per_mb = 3 if name == "zero-bubble" else 2
+    assert len(actions) == len(set(actions)) == per_mb * p * m
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks, st.integers(1, 8), st.integers(2, 4))
+def test_interleaved_validates(p: int, groups: int, v: int) -> None:
+    m = p * groups
+    schedule = build("interleaved-1f1b", p * v, m, n_virtual=v)
+    assert schedule.n_ranks == p and schedule.n_virtual == v
+    assert all(s % p == r for r, actions in enumerate(schedule.ranks) for s in {a.stage for a in actions})
+    validate(schedule)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks, microbatches)
+def test_gpipe_and_1f1b_bubble_is_exactly_the_textbook_value(p: int, m: int) -> None:
+    for name in ("gpipe", "1f1b"):
+        result = simulate(build(name, p, m), unit(p))  # type: ignore[arg-type]
+        assert exact_bubble(result, p) == Fraction(p - 1, m + p - 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ranks, microbatches)
+def test_peak_in_flight(p: int, m: int) -> None:
+    assert simulate(build("1f1b", p, m), unit(p)).peak_in_flight == tuple(min(p - s, m) for s in range(p))
+    assert simulate(build("gpipe", p, m), unit(p)).peak_in_flight == (m,) * p
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 8), st.integers(2, 4))
+def test_interleaved_bubble_is_smaller_than_1f1b(p: int, groups: int, v: int) -> None:
+    m = p * groups
+    # The same work per rank: each of a rank's v stages costs 1/v of its single stage.
+    interleaved = simulate(
+        build("interleaved-1f1b", p * v, m, n_virtual=v), StageCosts.of(p * v, forward=1 / v, backward=2 / v)
+    )
+    plain = simulate(build("1f1b", p, m), unit(p))
+    assert interleaved.bubble < plain.bubble
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 8), microbatches)
+def test_zero_bubble_beats_1f1b_holding_micro_batches_until_their_weight_pass(p: int, m: int) -> None:
+    zb = simulate(build("zero-bubble", p, m), split_unit(p))
+    plain = simulate(build("1f1b", p, m), unit(p))
+    assert zb.bubble < plain.bubble
+    # The input pass keeps each micro-batch's graph for its weight pass, deferred by up to p - 1 more.
+    assert zb.peak_in_flight == tuple(min(2 * p - 1 - s, m) for s in range(p))
+
+
+def test_zero_bubble_reaches_a_third_of_1f1b_bubble() -> None:
+    # ZB-H1's headline (Qi et al. 2023): with F = I = W, the bubble is a third of 1F1B's.
+    zb = simulate(build("zero-bubble", 4, 8), split_unit(4))
+    plain = simulate(build("1f1b", 4, 8), unit(4))
+    idle_zb = zb.step_time * 4 - sum(zb.busy)
+    idle_plain = plain.step_time * 4 - sum(plain.busy)
+    assert idle_zb * 3 == idle_plain
+
+
+def test_single_rank_has_no_bubble() -> None:
+    for name in ("gpipe", "1f1b", "zero-bubble"):
+        assert simulate(build(name, 1, 4), split_unit(1)).bubble == 0.0  # type: ignore[arg-type]
+
+
+def test_zero_bubble_splits_backward() -> None:
+    schedule = build("zero-bubble", 2, 3)
+    kinds = {a.kind for r in schedule.ranks for a in r}
+    assert kinds == {Kind.F, Kind.I, Kind.W} and schedule.splits_backward
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "pattern"),
+    [
+        (("pipedream", 2, 2), {}, ValueError, r"unknown schedule 'pipedream'; choose one of \['gpipe', '1f1b'"),
+        (("1f1b", 0, 2), {}, ValueError, r"n_stages must be >= 1, got 0"),
+        (("1f1b", 2, 0), {}, ValueError, r"n_microbatches must be >= 1, got 0"),
+        (("1f1b", 2.0, 2), {}, TypeError, r"n_stages must be an int, got float"),
+        (("1f1b", 4, 8), {"n_virtual": 2}, ValueError, r"1f1b runs one stage per rank; got n_virtual=2"),
+        (("interleaved-1f1b", 4, 8), {}, ValueError, r"needs n_virtual >= 2 stages per rank, got 1"),
+        (("interleaved-1f1b", 6, 8), {"n_virtual": 4}, ValueError, r"n_stages=6 is not a multiple of n_virtual=4"),
+        (
+            ("interleaved-1f1b", 8, 6),
+            {"n_virtual": 2},
+            ValueError,
+            r"multiple of the number of ranks \(4 = 8 stages / 2 per rank\), got 6; try 8",
+        ),
+    ],
+)
+def test_schedules_that_do_not_fit(
+    args: tuple[object, ...], kwargs: dict[str, int], error: type[Exception], pattern: str
+) -> None:
+    with pytest.raises(error, match=pattern):
+        build(*args, **kwargs)  # type: ignore[arg-type]
+
+
+@settings(max_examples=30, deadline=None)
+@given(ranks, microbatches, st.sampled_from(["gpipe", "1f1b", "zero-bubble"]))
+def test_transfer_time_only_lengthens_the_step(p: int, m: int, name: str) -> None:
+    assume(p > 1)
+    schedule = build(name, p, m)  # type: ignore[arg-type]
+    fast = simulate(schedule, split_unit(p))
+    slow = simulate(schedule, StageCosts.of(p, forward=1.0, input_grad=1.0, weight_grad=1.0, transfer=0.5))
+    assert slow.step_time >= fast.step_time + 2 * 0.5 * (p - 1) - 1e-9

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: gloo process launches, reference chains, late peers."""
