@@ -29,7 +29,7 @@ from stagewise.comm import init_mesh, launch
 from stagewise.models import GPT, PRESETS
 from stagewise.models.gpt import GPTConfig
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline, materialise_model
+from stagewise.pipeline import Pipeline, PipelineOptions, materialise_model
 
 SEED = 3
 LR = 0.05
@@ -105,7 +105,7 @@ def check(preset: str, seq_len: int, m: int, batch: int, steps: int) -> list[dic
             torch.cuda.reset_peak_memory_stats(device)
         pipe = Pipeline(
             GPT(config, device="meta"), Partition.from_bounds(bounds), schedule=schedule,  # type: ignore[arg-type]
-            n_microbatches=m, n_virtual=virtual, loss_fn=lm_loss, mesh=mesh, seed=SEED,
+            n_microbatches=m, loss_fn=lm_loss, mesh=mesh, options=PipelineOptions(n_virtual=virtual, seed=SEED),
         )  # fmt: skip
         optimizer = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
         loss_error = grad_error = 0.0

@@ -1,25 +1,27 @@
 """The runtime: the Pipeline running a schedule on its stages, with its data, parallelism and gradient parts."""
 
 from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.data_parallel import DataParallel
-from stagewise.pipeline.executor import LossFn
+from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, PipelineOptions
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.loader import Batch, StageLoader
-from stagewise.pipeline.microbatch import LossReduction
+from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.stage import StageError, materialise_model
 
 __all__ = [
     "Batch",
+    "Compute",
     "DataParallel",
+    "Diagnostics",
     "FusedWeightGradients",
     "LossFn",
     "LossReduction",
     "NonFinite",
     "NonFiniteLossError",
     "Pipeline",
+    "PipelineOptions",
     "StageError",
     "StageLoader",
     "WeightGradientFusion",

@@ -1,17 +1,166 @@
-"""checked_schedule(): Pipeline's arguments checked before any process group, and the schedule they ask for."""
+"""Pipeline's settings: the rarer knobs in documented groups, each checked on construction, and checked_schedule()."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from stagewise.partition import Layer, Partition
-from stagewise.pipeline.data_parallel import DataParallel
-from stagewise.pipeline.executor import LossFn
 from stagewise.pipeline.fusion import WeightGradientFusion
-from stagewise.pipeline.microbatch import LossReduction
+from stagewise.pipeline.microbatch import LossFn, LossReduction
+from stagewise.pipeline.nonfinite import NonFinite
 from stagewise.schedule.actions import Schedule
 from stagewise.schedule.builders import ScheduleName, build
 from stagewise.schedule.validate import validate
+
+CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+"""A DDP communication hook: ``hook(state, bucket)`` returns a future of the reduced bucket."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """How the replicas of a stage synchronise their gradients: the DistributedDataParallel options that matter.
+
+    Used by :class:`stagewise.Pipeline` when its mesh has ``dp > 1``.
+    """
+
+    bucket_cap_mb: float = 25.0
+    """Gradients are all-reduced in buckets of about this many MiB, each as soon as it is complete."""
+    gradient_as_bucket_view: bool = False
+    """Make each ``.grad`` a view into its all-reduce bucket: one copy of the gradients less in memory."""
+    find_unused_parameters: bool = False
+    """Search each stage's graph for parameters that get no gradient (needed when some are unused). Turns
+    ``Pipeline``'s weight-gradient fusion off: DDP learns which parameters a replica used from the gradient hooks
+    that a fused backward skips."""
+    comm_hook: CommHook | None = None
+    """A DDP communication hook, e.g. ``bf16_compress_hook`` from ``torch.distributed.algorithms.ddp_comm_hooks``."""
+    comm_state: object = None
+    """The state passed to ``comm_hook``; by default the stage's data-parallel group, as torch's default hooks take."""
+
+    def __post_init__(self) -> None:
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.comm_hook is not None and not callable(self.comm_hook):
+            raise TypeError(f"comm_hook must be callable, got {type(self.comm_hook).__name__}")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """How every stage runs its forward: in which precision, and what it keeps for its backward."""
+
+    autocast: torch.dtype | None = None
+    """Run every stage's forward under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``); None: the
+    model's own dtypes."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's forward during backward instead of keeping its activations (less memory, one more
+    forward); not with a split backward (zero-bubble)."""
+
+    def __post_init__(self) -> None:
+        if self.autocast is not None and not isinstance(self.autocast, torch.dtype):
+            raise TypeError(
+                f"Compute.autocast must be a torch.dtype or None, got {self.autocast!r}; e.g. torch.bfloat16"
+            )
+        if not isinstance(self.activation_checkpointing, bool):
+            raise TypeError(
+                f"Compute.activation_checkpointing must be True or False, got {self.activation_checkpointing!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """What a step records of itself, and what it does when its loss is not finite."""
+
+    chrome_trace: str | Path | None = None
+    """Write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added before the suffix);
+    None writes none. (A trace of the executed actions, not a torch.export capture of the model.)"""
+    nonfinite: NonFinite = "raise"
+    """When the loss is NaN or infinite: "raise" :class:`~stagewise.pipeline.NonFiniteLossError` naming the step
+    and micro-batch (on every rank), or "skip" the step: its gradients are dropped (those accumulated over earlier
+    steps are kept, from a copy taken at the start of each step that finds some; with none, ``.grad`` is None, so
+    the optimizer's step changes nothing) and ``Pipeline.skipped`` is True."""
+
+    def __post_init__(self) -> None:
+        if self.chrome_trace is not None and not isinstance(self.chrome_trace, str | Path):
+            raise TypeError(
+                f"Diagnostics.chrome_trace must be a path (str or pathlib.Path) or None, got {self.chrome_trace!r}"
+            )
+        if self.nonfinite not in ("raise", "skip"):
+            raise ValueError(f"Diagnostics.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The rarer knobs of a :class:`~stagewise.Pipeline`, grouped by what they are about; the defaults suit
+    most runs, so the common call passes none: ``Pipeline(..., options=PipelineOptions(seed=7))``."""
+
+    n_virtual: int = 1
+    """Stages per rank (interleaved schedules): ``partition.n_stages`` must be ``n_ranks * n_virtual``."""
+    device: torch.device | str | None = None
+    """Where this rank computes; None: the mesh's device."""
+    seed: int = 0
+    """The seed of layer initialisation for layers on the meta device (layer i from ``(seed, i)``)."""
+    loss_reduction: LossReduction = "mean"
+    """How ``loss_fn`` reduces over a batch: "mean" (torch's losses' default) weights each micro-batch's loss by
+    its share of the batch; "sum" adds them."""
+    compute: Compute = field(default_factory=Compute)
+    """Precision and recomputation of the stages' forwards."""
+    diagnostics: Diagnostics = field(default_factory=Diagnostics)
+    """The Chrome trace of each step, and the non-finite loss policy."""
+    fuse_weight_gradients: WeightGradientFusion | None = field(default_factory=WeightGradientFusion)
+    """How backwards accumulate the gradients of large linear weights (:class:`WeightGradientFusion`): straight
+    into ``.grad`` (one GEMM per micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's
+    gradient-accumulation fusion does, or pooled over several backwards into one GEMM per weight (by default each
+    rank pools what fits in the pipeline's peak in flight: GPipe a whole step, 1F1B r + 1 backwards on rank r;
+    zero-bubble's W adds each micro-batch's). None leaves accumulation to autograd. Hooks on a parameter's
+    gradient accumulator see only the backwards not fused (with ``dp > 1``, each stage's last of a step, which DDP
+    all-reduces); pass None if they must see every micro-batch. With ``DataParallel(find_unused_parameters=True)``
+    there is no fusion: DDP learns from those hooks which parameters each replica used."""
+    data_parallel: DataParallel | None = None
+    """DDP's options for the replicas of each stage when the mesh has ``dp > 1``; None: ``DataParallel()``."""
+
+    def __post_init__(self) -> None:
+        _whole("PipelineOptions.n_virtual", self.n_virtual, least=1)
+        _whole("PipelineOptions.seed", self.seed, least=None)
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as err:
+                raise ValueError(
+                    f"PipelineOptions.device must name a torch device (e.g. 'cpu', 'cuda:0') or be None (the "
+                    f"mesh's), got {self.device!r}"
+                ) from err
+        if self.loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"PipelineOptions.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        _instance("compute", self.compute, Compute)
+        _instance("diagnostics", self.diagnostics, Diagnostics)
+        if self.fuse_weight_gradients is not None and not isinstance(self.fuse_weight_gradients, WeightGradientFusion):
+            raise TypeError(
+                f"PipelineOptions.fuse_weight_gradients must be a WeightGradientFusion or None, got "
+                f"{self.fuse_weight_gradients!r}; e.g. WeightGradientFusion.every() to fuse every linear weight, "
+                "or None to leave gradient accumulation to autograd"
+            )
+        if self.data_parallel is not None:
+            _instance("data_parallel", self.data_parallel, DataParallel)
+
+
+def _whole(name: str, value: object, *, least: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
+        bound = f" >= {least}" if least is not None else ""
+        raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
+            f"{name} must be a whole number{bound}, got {value!r}"
+        )
+
+
+def _instance(name: str, value: object, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"PipelineOptions.{name} must be a stagewise {kind.__name__}, got {type(value).__name__}; "
+            f"pass {kind.__name__}(...) from stagewise.pipeline"
+        )
 
 
 def checked_schedule(
@@ -20,15 +169,11 @@ def checked_schedule(
     schedule: ScheduleName | Schedule,
     n_microbatches: int,
     *,
-    n_virtual: int,
     loss_fn: LossFn,
-    activation_checkpointing: bool,
-    loss_reduction: LossReduction,
-    fuse_weight_gradients: WeightGradientFusion | None,
-    nonfinite: str,
-    data_parallel: DataParallel | None,
+    options: PipelineOptions,
 ) -> Schedule:
-    """The validated schedule of a :class:`~stagewise.Pipeline` over ``layers``; its other arguments checked.
+    """The validated schedule of a :class:`~stagewise.Pipeline` over ``layers``; its other arguments checked
+    against the model and each other (each group of ``options`` checked itself on construction).
 
     Raises:
         TypeError: an argument of the wrong type (the message names it and what to pass).
@@ -36,18 +181,8 @@ def checked_schedule(
     """
     if not isinstance(partition, Partition):
         raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if nonfinite not in ("raise", "skip"):
-        raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
-    if fuse_weight_gradients is not None and not isinstance(fuse_weight_gradients, WeightGradientFusion):
-        raise TypeError(
-            f"fuse_weight_gradients must be a WeightGradientFusion or None, got {fuse_weight_gradients!r}; "
-            "e.g. WeightGradientFusion.every() to fuse every linear weight, or None to leave gradient "
-            "accumulation to autograd"
-        )
-    if data_parallel is not None and not isinstance(data_parallel, DataParallel):
-        raise TypeError(f"data_parallel must be a stagewise DataParallel, got {type(data_parallel).__name__}")
+    if not isinstance(options, PipelineOptions):
+        raise TypeError(f"options must be a stagewise PipelineOptions, got {type(options).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if partition.n_layers != len(layers):
@@ -63,9 +198,9 @@ def checked_schedule(
                 f"partition has {partition.n_stages} stages and n_microbatches is {n_microbatches}"
             )
     else:
-        plan = build(schedule, partition.n_stages, n_microbatches, n_virtual=n_virtual)
+        plan = build(schedule, partition.n_stages, n_microbatches, n_virtual=options.n_virtual)
     validate(plan)
-    if activation_checkpointing and plan.splits_backward:
+    if options.compute.activation_checkpointing and plan.splits_backward:
         raise ValueError(
             "activation checkpointing and split backward (zero-bubble) do not combine: W would recompute "
             "every layer's forward a second time; choose one"

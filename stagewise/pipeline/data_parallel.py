@@ -3,50 +3,20 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from stagewise.comm import named_collective
+from stagewise.pipeline.config import DataParallel
 from stagewise.pipeline.stage import StageModule
 from stagewise.schedule.actions import Action, Kind
 
 log = logging.getLogger(__name__)
-
-CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
-"""A DDP communication hook: ``hook(state, bucket)`` returns a future of the reduced bucket."""
-
-
-@dataclass(frozen=True)
-class DataParallel:
-    """How the replicas of a stage synchronise their gradients: the DistributedDataParallel options that matter.
-
-    Used by :class:`stagewise.Pipeline` when its mesh has ``dp > 1``.
-    """
-
-    bucket_cap_mb: float = 25.0
-    """Gradients are all-reduced in buckets of about this many MiB, each as soon as it is complete."""
-    gradient_as_bucket_view: bool = False
-    """Make each ``.grad`` a view into its all-reduce bucket: one copy of the gradients less in memory."""
-    find_unused_parameters: bool = False
-    """Search each stage's graph for parameters that get no gradient (needed when some are unused). Turns
-    ``Pipeline``'s weight-gradient fusion off: DDP learns which parameters a replica used from the gradient hooks
-    that a fused backward skips."""
-    comm_hook: CommHook | None = None
-    """A DDP communication hook, e.g. ``bf16_compress_hook`` from ``torch.distributed.algorithms.ddp_comm_hooks``."""
-    comm_state: object = None
-    """The state passed to ``comm_hook``; by default the stage's data-parallel group, as torch's default hooks take."""
-
-    def __post_init__(self) -> None:
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
-        if self.comm_hook is not None and not callable(self.comm_hook):
-            raise TypeError(f"comm_hook must be callable, got {type(self.comm_hook).__name__}")
 
 
 def sync_points(actions: Sequence[Action]) -> set[int]:
@@ -90,7 +60,7 @@ class Replicas:
         group: dist.ProcessGroup,
         device: torch.device,
         config: DataParallel,
-        timeout: float = 300.0,
+        timeout: float,
     ) -> None:
         self.config = config
         self.group = group

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -14,7 +14,7 @@ from stagewise.comm import Payload, Receiving, Transport, as_tensors
 from stagewise.pipeline.data_parallel import Replicas, sync_points
 from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
-from stagewise.pipeline.microbatch import Microbatches
+from stagewise.pipeline.microbatch import LossFn, Microbatches
 from stagewise.pipeline.split_backward import WeightUse, weight_gradients
 from stagewise.pipeline.stage import StageError, StageModule, failure
 from stagewise.schedule.actions import Action, Kind, Schedule
@@ -25,8 +25,8 @@ from stagewise.schedule.spans import Span
 ACTIVATIONS, GRADIENTS = 0, 1
 """Transport streams: activations flow forward on one, gradients backward on the other."""
 
-LossFn = Callable[[Payload, Payload], torch.Tensor]
-"""``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
+LOOKAHEAD = 2
+"""Receives are posted for this many actions ahead of the one running."""
 
 
 @dataclass
@@ -103,7 +103,6 @@ class Executor:
         transport: Transport,
         peers: Sequence[int],
         *,
-        lookahead: int = 2,
         replicas: Replicas | None = None,
         grad_scale: float = 1.0,
         fusion: WeightGradientFusion | None = None,
@@ -115,7 +114,7 @@ class Executor:
         self.transport = transport
         self.peers = list(peers)
         """Global rank of each pipeline position."""
-        self.lookahead = lookahead
+        self.lookahead = LOOKAHEAD
         self.last = schedule.n_stages - 1
         self.replicas = replicas
         """Data-parallel replicas of the stages, synchronised after each stage's last backward of a step."""
@@ -284,40 +283,22 @@ class _Run:
 
     def _forward(self, action: Action, incoming: Payload | None) -> None:
         s, mb, x = action.stage, action.microbatch, self.x
-        received: list[Payload] = []
-        if s == 0:
-            if self.inputs is None:
-                raise ValueError("the first stage needs inputs; pass them to step() on the rank that holds stage 0")
-            data = self.inputs.parts[mb]
-        elif incoming is not None:
-            data, received = incoming, [incoming]
-        else:
-            data = self.handoff.pop((s, mb))
+        data, received = self._forward_input(s, mb, incoming)
         owners: list[WeightUse] = []
         split = self.training and (s, mb) in self.split
         fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
         store, anchor = self.store, None
         if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own
             store, anchor = WeightGradientStore(), torch.empty(0, device=x.transport.device, requires_grad=True)
+        joint = split and (s, mb) in self.unfused
         try:
             pooled = store is not None and store is self.store
             owned = owners if split else None
-            joint = split and (s, mb) in self.unfused
             out = x.stages[s].run(data, owned, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor)
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(failure(x.stages[s], mb, data, err)) from err
         slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor, joint=joint)  # type: ignore[arg-type]
-        # A forward-only run with a loss (evaluation) takes each micro-batch's loss at once and keeps no output:
-        # a language model's logits are its largest tensors, and one micro-batch's are held at a time.
-        scored = s == x.last and (self.training or self.loss_fn is not None)
-        if scored:
-            self._loss(slot, mb)
-        elif s == x.last:
-            self.outputs.append(out)  # type: ignore[arg-type]
-        elif x.schedule.rank_of(s + 1) == x.position:
-            self.handoff[(s + 1, mb)] = handed_over(out)  # type: ignore[arg-type]
-        else:
-            x._send(out, s + 1, mb, action, ACTIVATIONS)  # type: ignore[arg-type]
+        scored = self._deliver(action, slot)
         if self.training:
             self.slots[(s, mb)] = slot
         else:  # a received buffer the output is a view of stays with the output (kept, or still being sent)
@@ -325,6 +306,33 @@ class _Run:
             for payload in received:
                 if not _storages(payload) & kept:
                     x.transport.release(payload)
+
+    def _forward_input(self, s: int, mb: int, incoming: Payload | None) -> tuple[Payload, list[Payload]]:
+        """The input of stage ``s``'s forward of micro-batch ``mb``, and the received payloads it is."""
+        if s == 0:
+            if self.inputs is None:
+                raise ValueError("the first stage needs inputs; pass them to step() on the rank that holds stage 0")
+            return self.inputs.parts[mb], []
+        if incoming is not None:
+            return incoming, [incoming]
+        return self.handoff.pop((s, mb)), []
+
+    def _deliver(self, action: Action, slot: _Slot) -> bool:
+        """Take the forward's output where it goes: the loss, the kept outputs, the next stage here or on another
+        rank. Returns whether it was scored (its loss taken)."""
+        s, mb, x, out = action.stage, action.microbatch, self.x, slot.output
+        # A forward-only run with a loss (evaluation) takes each micro-batch's loss at once and keeps no output:
+        # a language model's logits are its largest tensors, and one micro-batch's are held at a time.
+        scored = s == x.last and (self.training or self.loss_fn is not None)
+        if scored:
+            self._loss(slot, mb)
+        elif s == x.last:
+            self.outputs.append(out)
+        elif x.schedule.rank_of(s + 1) == x.position:
+            self.handoff[(s + 1, mb)] = handed_over(out)
+        else:
+            x._send(out, s + 1, mb, action, ACTIVATIONS)
+        return scored
 
     def _loss(self, slot: _Slot, mb: int) -> None:
         if self.targets is None or self.loss_fn is None:
@@ -342,21 +350,9 @@ class _Run:
         return self.x.replicas.prepare(stage, outputs)
 
     def _backward(self, action: Action, incoming: Payload | None, *, sync: bool = False) -> None:
-        s, mb, x = action.stage, action.microbatch, self.x
+        s, mb = action.stage, action.microbatch
         slot = self.slots[(s, mb)]
-        roots: list[torch.Tensor]
-        root_grads: list[torch.Tensor | None]
-        if s == x.last:
-            assert slot.loss is not None
-            roots = [slot.loss] if slot.loss.requires_grad else []  # no gradient: nothing trainable feeds it
-            scale = x.grad_scale
-            root_grads = [None if scale == 1 else torch.full_like(r, scale) for r in roots]
-        else:
-            grads = incoming if incoming is not None else self.handoff.pop((s, mb))
-            if incoming is not None:
-                slot.received.append(incoming)
-            roots = grad_tensors(slot.output)
-            root_grads = list(as_tensors(grads)[0]) if roots else []
+        roots, root_grads = self._roots(s, mb, slot, incoming)
         wanted = grad_tensors(slot.inputs) if s > 0 else []
         if slot.anchor is not None:  # fused ops leave their weight gradients in the slot's store: W needs no autograd
             slot.owners = [use for use in slot.owners if not use.fused]
@@ -370,37 +366,82 @@ class _Run:
                 if extra:
                     torch.autograd.backward(extra)
         elif action.kind is Kind.B or not (wanted or per_owner):
-            if sync:
-                self.flush()  # DDP all-reduces .grad during this backward: it must be complete
-                extra = self._arm(s, roots)
-                roots, root_grads = [*roots, *extra], [*root_grads, *(None for _ in extra)]
-            torch.autograd.backward(roots, root_grads)
-            input_grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
+            input_grads = self._whole_backward(s, roots, root_grads, wanted, sync=sync)
         else:
-            flat = [t for group in per_owner for t in group]
-            anchor = [slot.anchor] if slot.anchor is not None else []
-            # The graph stays for W only where W runs autograd through it.
-            got = torch.autograd.grad(
-                roots, [*wanted, *flat, *anchor], root_grads, retain_graph=bool(flat), allow_unused=True
-            )
-            input_grads = [g if g is not None else torch.zeros_like(t) for g, t in zip(got, wanted, strict=False)]
-            rest: list[torch.Tensor | None] = list(got[len(wanted) : len(wanted) + len(flat)])
-            for group in per_owner:
-                slot.owner_grads.append(rest[: len(group)])
-                rest = rest[len(group) :]
+            input_grads = self._input_backward(slot, roots, root_grads, wanted, per_owner)
         if s > 0:
-            # Always answer, so the previous stage never waits in vain; an empty tensor means "no gradient".
-            answer = pack_gradients(input_grads) if input_grads else torch.zeros(0, device=x.transport.device)
-            # (an empty tensor has no bytes: nothing travels, and the receiver expects exactly that)
-            if x.schedule.rank_of(s - 1) == x.position:
-                self.handoff[(s - 1, mb)] = answer
-            else:
-                x._send(answer, s - 1, mb, action, GRADIENTS)
+            self._answer(action, input_grads)
         if action.kind is Kind.B:
             self._done(self.slots.pop((s, mb)))
             self.backwards += 1
             if self.pool is not None and self.backwards % self.pool == 0:
                 self.flush()
+
+    def _roots(
+        self, s: int, mb: int, slot: _Slot, incoming: Payload | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Where stage ``s``'s backward of ``mb`` starts, and the gradients it starts with: the weighted loss on
+        the last stage (scaled by ``grad_scale``), else the output and the gradient the next stage sent."""
+        x = self.x
+        if s == x.last:
+            assert slot.loss is not None
+            roots = [slot.loss] if slot.loss.requires_grad else []  # no gradient: nothing trainable feeds it
+            scale = x.grad_scale
+            return roots, [None if scale == 1 else torch.full_like(r, scale) for r in roots]
+        grads = incoming if incoming is not None else self.handoff.pop((s, mb))
+        if incoming is not None:
+            slot.received.append(incoming)
+        roots = grad_tensors(slot.output)
+        return roots, list(as_tensors(grads)[0]) if roots else []
+
+    def _whole_backward(
+        self,
+        s: int,
+        roots: list[torch.Tensor],
+        root_grads: list[torch.Tensor | None],
+        wanted: list[torch.Tensor],
+        *,
+        sync: bool,
+    ) -> list[torch.Tensor]:
+        """B: one autograd backward into the parameters and the stage's inputs; returns the inputs' gradients."""
+        if sync:
+            self.flush()  # DDP all-reduces .grad during this backward: it must be complete
+            extra = self._arm(s, roots)
+            roots, root_grads = [*roots, *extra], [*root_grads, *(None for _ in extra)]
+        torch.autograd.backward(roots, root_grads)
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in wanted]
+
+    def _input_backward(
+        self,
+        slot: _Slot,
+        roots: list[torch.Tensor],
+        root_grads: list[torch.Tensor | None],
+        wanted: list[torch.Tensor],
+        per_owner: list[list[torch.Tensor]],
+    ) -> list[torch.Tensor]:
+        """I: the inputs' gradients and, for W, those of each parameter-reading op's output (kept in the slot)."""
+        flat = [t for group in per_owner for t in group]
+        anchor = [slot.anchor] if slot.anchor is not None else []
+        # The graph stays for W only where W runs autograd through it.
+        got = torch.autograd.grad(
+            roots, [*wanted, *flat, *anchor], root_grads, retain_graph=bool(flat), allow_unused=True
+        )
+        rest: list[torch.Tensor | None] = list(got[len(wanted) : len(wanted) + len(flat)])
+        for group in per_owner:
+            slot.owner_grads.append(rest[: len(group)])
+            rest = rest[len(group) :]
+        return [g if g is not None else torch.zeros_like(t) for g, t in zip(got, wanted, strict=False)]
+
+    def _answer(self, action: Action, input_grads: list[torch.Tensor]) -> None:
+        """Send the stage's input gradients to the previous stage (here or on its rank). Always, so the previous
+        stage never waits in vain; an empty tensor means "no gradient" (it has no bytes: nothing travels, and the
+        receiver expects exactly that)."""
+        s, mb, x = action.stage, action.microbatch, self.x
+        answer = pack_gradients(input_grads) if input_grads else torch.zeros(0, device=x.transport.device)
+        if x.schedule.rank_of(s - 1) == x.position:
+            self.handoff[(s - 1, mb)] = answer
+        else:
+            x._send(answer, s - 1, mb, action, GRADIENTS)
 
     def _weights(self, action: Action, *, sync: bool = False) -> None:
         slot = self.slots.pop((action.stage, action.microbatch))

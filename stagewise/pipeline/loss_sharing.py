@@ -26,43 +26,52 @@ class SharedLoss:
     """This replica's first micro-batch whose loss was not finite, or -1."""
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """How the ranks of one replica's pipeline tell each other what one of them knows, and how long they wait."""
+
+    mesh: PipelineMesh
+    transport: Transport
+    """The pipeline's transport, which carries the message where it can (see :func:`along_pipeline`)."""
+    timeout: float
+    """Seconds each wait may last: the pipeline's one timeout (the transport's too)."""
+
+
 def share_loss(
     loss: torch.Tensor | None,
     samples: int,
     *,
-    mesh: PipelineMesh,
+    sharing: Sharing,
     last: int,
-    replicated: bool,
     mean: bool,
     bad_microbatch: int = -1,
     training: bool = True,
-    transport: Transport | None = None,
 ) -> SharedLoss:
     """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline.
 
     ``loss`` and ``samples`` are this rank's (None and 0 off the last stage);
-    ``last`` is the global rank of this replica's last stage, ``replicated``
-    whether there are replicas to combine, and ``mean`` whether the loss is a
-    mean, which weights each replica's by its samples. ``bad_microbatch``
+    ``last`` is the global rank of this replica's last stage, and ``mean``
+    whether the loss is a mean, which weights each replica's by its samples
+    when the mesh has replicas (``dp > 1``) to combine. ``bad_microbatch``
     travels along from the last stage. With ``training``, replicas whose
     batches differ in size are refused: DDP would average their gradients
-    with equal weights. The loss travels as :func:`along_pipeline` sends it.
+    with equal weights. The loss travels as :func:`along_pipeline` sends it;
+    every wait is bounded by ``sharing.timeout``.
     """
+    mesh = sharing.mesh
     device = mesh.device
     loss = (loss if loss is not None else torch.zeros((), device=device)).detach().to(device, torch.float32)
     smallest = largest = 0
-    seconds = mesh.timeout
-    if mesh.rank == last and replicated:
+    if mesh.rank == last and mesh.layout.dp > 1:
         group = mesh.dp_group
         peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
-        with named_collective(
-            rank=mesh.rank, peer=peer, what="the all-gather of the replicas' losses", timeout=seconds
-        ):
+        what = "the all-gather of the replicas' losses"
+        with named_collective(rank=mesh.rank, peer=peer, what=what, timeout=sharing.timeout):
             whole = combine_losses(loss, samples, group=group, mean=mean)
         loss, smallest, largest = whole.loss, whole.smallest, whole.largest
     packet = torch.tensor([float(loss), smallest, largest, bad_microbatch], dtype=torch.float64, device=device)
     what = f"the loss from rank {last}, the last stage's, sent along the pipeline"
-    packet = along_pipeline(packet, last, mesh=mesh, transport=transport, what=what)
+    packet = along_pipeline(packet, last, mesh=mesh, transport=sharing.transport, what=what)
     smallest, largest = int(packet[1]), int(packet[2])
     if training and mean and smallest != largest:
         raise ValueError(
@@ -73,11 +82,12 @@ def share_loss(
     return SharedLoss(packet[0].to(torch.float32), int(packet[3]))
 
 
-def share_count(count: int, *, mesh: PipelineMesh, first: int, transport: Transport | None = None) -> int:
+def share_count(count: int, *, sharing: Sharing, first: int) -> int:
     """``count`` as the rank ``first`` (this replica's first stage) has it, on every rank of the pipeline."""
+    mesh = sharing.mesh
     packet = torch.tensor([count], dtype=torch.int64, device=mesh.device)
     what = f"the micro-batch count from rank {first}, the first stage's, sent along the pipeline"
-    return int(along_pipeline(packet, first, mesh=mesh, transport=transport, what=what).item())
+    return int(along_pipeline(packet, first, mesh=mesh, transport=sharing.transport, what=what).item())
 
 
 def along_pipeline(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -12,6 +12,9 @@ from stagewise.comm import Payload, as_tensors
 
 LossReduction = Literal["mean", "sum"]
 """How ``loss_fn`` reduces over the samples of a batch."""
+
+LossFn = Callable[[Payload, Payload], torch.Tensor]
+"""``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
 
 
 @dataclass(frozen=True)

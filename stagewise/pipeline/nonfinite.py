@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 NonFinite = Literal["raise", "skip"]
 """What :meth:`stagewise.Pipeline.step` does when the loss is NaN or infinite."""
@@ -42,3 +45,29 @@ class EarlierGradients:
             param.grad = None
         for param, grad in self.kept:
             param.grad = grad
+
+
+def skipped_step(
+    loss: torch.Tensor,
+    policy: NonFinite,
+    *,
+    where: str,
+    earlier: EarlierGradients | None,
+    params: Iterable[nn.Parameter],
+) -> bool:
+    """Whether a step whose global loss is ``loss`` is skipped: False when the loss is finite. When it is not,
+    ``policy`` "raise" raises :class:`NonFiniteLossError` naming ``where`` (the step and first bad micro-batch);
+    "skip" logs it, drops the step's gradients and puts back the ``earlier`` ones (copied at the step's start)."""
+    if bool(torch.isfinite(loss)):
+        return False
+    message = f"the loss is {float(loss)} {where}"
+    if policy == "raise":
+        raise NonFiniteLossError(
+            f"{message}; lower the learning rate, check the data, or pass "
+            "PipelineOptions(diagnostics=Diagnostics(nonfinite='skip')) to drop such steps"
+        )
+    log.warning("%s: skipping the step (its gradients are dropped)", message)
+    if earlier is None:
+        raise ValueError("skipping a step needs the gradients copied at its start (EarlierGradients.copy)")
+    earlier.restore(params)
+    return True

@@ -4,24 +4,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_mesh
-from stagewise.partition import Partition, layers_of, shared_parameters
+from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
+from stagewise.partition import Layer, Partition, layers_of, shared_parameters
 from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.config import checked_schedule
-from stagewise.pipeline.data_parallel import DataParallel, Replicas
-from stagewise.pipeline.executor import Executor, LossFn, StepResult
+from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
+from stagewise.pipeline.data_parallel import Replicas
+from stagewise.pipeline.executor import Executor, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
-from stagewise.pipeline.loss_sharing import SHARING, share_count, share_loss
-from stagewise.pipeline.microbatch import LossReduction, Microbatches, batch_size, concat, split
-from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, NonFiniteLossError, first_non_finite
+from stagewise.pipeline.loss_sharing import Sharing, share_count, share_loss
+from stagewise.pipeline.microbatch import LossFn, LossReduction, Microbatches, batch_size, concat, split
+from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_finite, skipped_step
+from stagewise.pipeline.parameters import HeldStages
 from stagewise.pipeline.stage import own_stages
 from stagewise.pipeline.tied_weights import Ties
 from stagewise.schedule.actions import Action, Kind, Schedule
@@ -39,7 +40,18 @@ def _quietly(close: Callable[..., None], **options: bool) -> None:
         log.warning("closing after a failed Pipeline construction failed too: %s", err)
 
 
-class Pipeline:
+def _fusion_in_effect(options: PipelineOptions, dp: int) -> WeightGradientFusion | None:
+    """``options``' weight-gradient fusion, or None where replicas must find unused parameters: DDP learns which
+    parameters a replica used from their gradient hooks, which fused backwards skip."""
+    ddp, fusion = options.data_parallel, options.fuse_weight_gradients
+    if dp > 1 and ddp is not None and ddp.find_unused_parameters:
+        if fusion is not None:
+            log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
+        return None
+    return fusion
+
+
+class Pipeline(HeldStages):
     """A chain model split by ``partition`` and trained with ``schedule`` across the ranks of a pipeline.
 
     Each rank materialises only the layers of its own stages: rank ``r`` of
@@ -74,30 +86,13 @@ class Pipeline:
         n_microbatches: micro-batches per step.
         loss_fn: ``loss_fn(output, target)`` for one micro-batch, a scalar tensor.
         mesh: the process mesh; by default :func:`stagewise.comm.init_mesh` with ``pp`` ranks.
-        device: where this rank computes; by default the mesh's device.
-        n_virtual: stages per rank (interleaved schedules).
-        activation_checkpointing: recompute each layer's forward during backward instead of keeping its activations.
-        autocast: run every stage's forward under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``).
-        seed: the seed of layer initialisation for meta-device models.
-        loss_reduction: how ``loss_fn`` reduces over a batch: "mean" or "sum".
-        timeout: bound on every wait for another rank, in seconds (and, when the pipeline makes its mesh, on
-            the processes' start-up: see :func:`stagewise.comm.init_mesh`).
-        trace: write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added).
-        data_parallel: DDP's options for the replicas of each stage when the mesh has ``dp > 1``.
-        nonfinite: when the loss is NaN or infinite, "raise" :class:`NonFiniteLossError` naming the step and
-            micro-batch (on every rank), or "skip" the step: its gradients are dropped (gradients accumulated
-            over earlier steps are kept, from a copy taken at the start of each step that finds some; with
-            none, ``.grad`` is None, so the optimizer's step changes nothing) and :attr:`skipped` is True.
-        fuse_weight_gradients: how backwards accumulate the gradients of large linear weights
-            (:class:`stagewise.pipeline.WeightGradientFusion`): straight into ``.grad`` (one GEMM per
-            micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's
-            gradient-accumulation fusion does, or pooled over several backwards into one GEMM per weight
-            (by default each rank pools what fits in the pipeline's peak in flight: GPipe a whole step, 1F1B
-            r + 1 backwards on rank r; zero-bubble's W adds each micro-batch's). None leaves
-            accumulation to autograd. Hooks on a parameter's gradient accumulator see only the backwards not
-            fused (with ``dp > 1``, each stage's last of a step, which DDP all-reduces); pass None if they
-            must see every micro-batch. With ``DataParallel(find_unused_parameters=True)`` there is no
-            fusion: DDP learns from those hooks which parameters each replica used.
+        timeout: bound on every wait of this pipeline for another rank, in seconds: transfers, tied weights,
+            the replicas' all-reduce, clipping's all-reduce and the loss's sharing. None: the mesh's
+            (``mesh.timeout``; :data:`~stagewise.comm.timeouts.DEFAULT_TIMEOUT` for a mesh the pipeline makes,
+            whose start-up it bounds too). Stored once, as :attr:`timeout`.
+        options: the rarer knobs, grouped (:class:`~stagewise.pipeline.PipelineOptions`: virtual stages,
+            device, seed, loss reduction, precision and recomputation, diagnostics, weight-gradient fusion,
+            data parallelism); None: their defaults.
     """
 
     def __init__(
@@ -109,105 +104,101 @@ class Pipeline:
         n_microbatches: int,
         loss_fn: LossFn,
         mesh: PipelineMesh | None = None,
-        device: torch.device | str | None = None,
-        n_virtual: int = 1,
-        activation_checkpointing: bool = False,
-        autocast: torch.dtype | None = None,
-        seed: int = 0,
-        loss_reduction: LossReduction = "mean",
-        timeout: float = 300.0,
-        trace: str | Path | None = None,
-        data_parallel: DataParallel | None = None,
-        nonfinite: NonFinite = "raise",
-        fuse_weight_gradients: WeightGradientFusion | None = WeightGradientFusion(),
+        timeout: float | None = None,
+        options: PipelineOptions | None = None,
     ) -> None:
+        options = options if options is not None else PipelineOptions()
         layers = layers_of(model)
-        plan = checked_schedule(
-            layers, partition, schedule, n_microbatches, n_virtual=n_virtual, loss_fn=loss_fn,
-            activation_checkpointing=activation_checkpointing, loss_reduction=loss_reduction,
-            fuse_weight_gradients=fuse_weight_gradients, nonfinite=nonfinite, data_parallel=data_parallel,
-        )  # fmt: skip
+        plan = checked_schedule(layers, partition, schedule, n_microbatches, loss_fn=loss_fn, options=options)
+        seconds = None if timeout is None else checked_timeout(timeout)
         self.schedule = plan
         self.partition = partition
-        self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=timeout)
+        self.options = options
+        """The rarer knobs this pipeline was built with."""
+        self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=seconds or DEFAULT_TIMEOUT)
+        self.timeout: float = seconds if seconds is not None else self.mesh.timeout
+        """Seconds any wait of this pipeline for another rank may last: the one bound every wait is given."""
         self._own_mesh = mesh is None
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.loss_reduction: LossReduction = options.loss_reduction
+        self.nonfinite: NonFinite = options.diagnostics.nonfinite
+        trace = options.diagnostics.chrome_trace
+        self.chrome_trace = None if trace is None else Path(trace)
+        """Where each step's Chrome/Perfetto trace goes (per rank); None: nowhere. May be changed between steps."""
+        self.steps = 0
+        """Calls of :meth:`step` so far."""
+        self.skipped = False
+        """Whether the last step was skipped for a non-finite loss."""
+        self._bad_microbatch = -1
+        self.last_result: StepResult | None = None
+        self.closed = False
+        """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
         with ExitStack() as undo:  # a failure below closes the groups made so far; then close() owns them
             if self._own_mesh:
                 undo.callback(_quietly, self.mesh.close)
-            if self.mesh.layout.pp != plan.n_ranks:
-                raise ValueError(
-                    f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
-                    f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
-                )
-            self.nonfinite: NonFinite = nonfinite
-            self.steps = 0
-            """Calls of :meth:`step` so far."""
-            self.skipped = False
-            """Whether the last step was skipped for a non-finite loss."""
-            self._bad_microbatch = -1
-            if self.mesh.layout.dp > 1 and data_parallel is not None and data_parallel.find_unused_parameters:
-                if fuse_weight_gradients is not None:
-                    # DDP learns which parameters a replica used from their gradient hooks, which fused backwards skip.
-                    log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
-                fuse_weight_gradients = None
-            self.device = torch.device(device) if device is not None else self.mesh.device
-            self.n_microbatches = n_microbatches
-            self.loss_fn = loss_fn
-            self.loss_reduction: LossReduction = loss_reduction
-            self.position = self.mesh.stage
-            shared = shared_parameters(layers)  # before materialising, which unties them
-            self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
-            """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
-            self.stages = own_stages(
-                layers, partition.bounds, plan.stages_of(self.position), shared, device=self.device, seed=seed,
-                checkpointing=activation_checkpointing, autocast=autocast, fusion=fuse_weight_gradients,
-            )  # fmt: skip
-            self.ties = Ties(layers, shared, partition, plan, self.mesh, timeout=timeout)
-            undo.callback(_quietly, self.ties.close)
-            self.ties.synchronise()
-            peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
-            # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
-            # Activations, gradients, and on the CPU what one rank tells the others (loss_sharing.SHARING), which
-            # travels over the transport where it carries its messages through shared memory.
-            self.transport = Transport(
-                device=self.device, timeout=timedelta(seconds=timeout), dedicated=True,
-                streams=SHARING + 1 if self.device.type == "cpu" else 2,
-            )  # fmt: skip
-            undo.callback(_quietly, self.transport.close, wait=False)
-            dp = self.mesh.layout.dp
-            self.replicas = None
-            if dp > 1:
-                config = data_parallel if data_parallel is not None else DataParallel()
-                self.replicas = Replicas(
-                    self.stages,
-                    group=self.mesh.dp_group,
-                    device=self.device,
-                    config=config,
-                    timeout=self.mesh.timeout,
-                )
-            self.executor = Executor(
-                plan,
-                self.position,
-                self.stages,
-                self.transport,
-                peers,
-                replicas=self.replicas,
-                grad_scale=float(dp) if loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
-                fusion=fuse_weight_gradients,
-            )
-            self.fusion = fuse_weight_gradients
-            """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
-            self.trace = None if trace is None else Path(trace)
-            self.last_result: StepResult | None = None
-            self.closed = False
-            """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
+            self._place(layers, options)
+            self._connect(layers, undo)
             undo.pop_all()
         log.info(
-            "rank %d holds stages %s (%d parameters) on %s",
+            "rank %d holds stages %s (%d parameters) on %s; waits are bounded by %g s",
             self.mesh.rank,
             list(self.stages),
             sum(p.numel() for p in self.parameters()),
             self.device,
+            self.timeout,
+        )
+
+    def _place(self, layers: list[Layer], options: PipelineOptions) -> None:
+        """Materialise this rank's stages on its device, after checking the mesh runs the schedule."""
+        plan = self.schedule
+        if self.mesh.layout.pp != plan.n_ranks:
+            raise ValueError(
+                f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
+                f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
+            )
+        self.fusion = _fusion_in_effect(options, self.mesh.layout.dp)
+        """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
+        self.device = torch.device(options.device) if options.device is not None else self.mesh.device
+        self.position = self.mesh.stage
+        self._shared = shared_parameters(layers)  # before materialising, which unties them
+        self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
+        """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
+        self.stages = own_stages(
+            layers, self.partition.bounds, plan.stages_of(self.position), self._shared, device=self.device,
+            seed=options.seed, compute=options.compute, fusion=self.fusion,
+        )  # fmt: skip
+
+    def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
+        """The pipeline's links to other ranks, each bounded by :attr:`timeout`: tied copies, the transport,
+        the replicas, and the executor that runs the schedule over them."""
+        plan, timeout = self.schedule, self.timeout
+        self.ties = Ties(layers, self._shared, self.partition, plan, self.mesh, timeout=timeout)
+        undo.callback(_quietly, self.ties.close)
+        self.ties.synchronise()
+        peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
+        # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
+        # Two streams, activations and gradients (executor.ACTIVATIONS, GRADIENTS); what one rank tells the
+        # others (loss_sharing) travels by Transport.broadcast_along, which needs no stream of ours.
+        self.transport = Transport(device=self.device, timeout=timeout, dedicated=True, streams=2)
+        undo.callback(_quietly, self.transport.close, wait=False)
+        self._sharing = Sharing(self.mesh, self.transport, timeout)
+        dp = self.mesh.layout.dp
+        self.replicas = None
+        if dp > 1:
+            config = self.options.data_parallel if self.options.data_parallel is not None else DataParallel()
+            self.replicas = Replicas(
+                self.stages, group=self.mesh.dp_group, device=self.device, config=config, timeout=timeout
+            )
+        self.executor = Executor(
+            plan,
+            self.position,
+            self.stages,
+            self.transport,
+            peers,
+            replicas=self.replicas,
+            grad_scale=float(dp) if self.loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
+            fusion=self.fusion,
         )
 
     def close(self, *, wait: bool = True) -> None:
@@ -237,37 +228,6 @@ class Pipeline:
             self.close(wait=False)
         except Exception as err:
             log.warning("closing the pipeline after an error failed too: %s", err)
-
-    # --- parameters and state -------------------------------------------------------------------
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters, each once (a tied parameter used by two of its stages too)."""
-        for _, param in self.named_parameters():
-            yield param
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters, named as in the unsplit model; a tied one by its first name here."""
-        seen: set[int] = set()
-        for stage in self.stages.values():
-            for name, param in stage.named_chain_parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    yield name, param
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers, named as in the unsplit model."""
-        out: dict[str, torch.Tensor] = {}
-        for stage in self.stages.values():
-            out.update(stage.chain_state_dict())
-        return out
-
-    def train(self, mode: bool = True) -> Pipeline:
-        for stage in self.stages.values():
-            stage.train(mode)
-        return self
-
-    def eval(self) -> Pipeline:
-        return self.train(False)
 
     @property
     def is_first(self) -> bool:
@@ -333,18 +293,12 @@ class Pipeline:
         self.steps += 1
         bad = first_non_finite(result.microbatch_losses)
         loss = self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0, bad_microbatch=bad)
-        self.skipped = not bool(torch.isfinite(loss))
-        if self.skipped:
-            where = self._bad_microbatch
-            which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
-            message = f"the loss is {float(loss)} at step {self.steps} (first non-finite: {which})"
-            if self.nonfinite == "raise":
-                raise NonFiniteLossError(
-                    f"{message}; lower the learning rate, check the data, or pass nonfinite='skip' to drop such steps"
-                )
-            log.warning("%s: skipping the step (its gradients are dropped)", message)
-            assert earlier is not None  # copied above whenever skipping is allowed
-            earlier.restore(self.parameters())
+        where = self._bad_microbatch
+        which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
+        self.skipped = skipped_step(
+            loss, self.nonfinite, where=f"at step {self.steps} (first non-finite: {which})", earlier=earlier,
+            params=self.parameters(),
+        )  # fmt: skip
         return loss
 
     def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
@@ -373,9 +327,8 @@ class Pipeline:
         micro-batch in :attr:`_bad_microbatch`."""
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
         shared = share_loss(
-            loss, samples, mesh=self.mesh, last=last, replicated=self.replicas is not None,
-            mean=self.loss_reduction == "mean", bad_microbatch=bad_microbatch, training=training,
-            transport=self.transport,
+            loss, samples, sharing=self._sharing, last=last, mean=self.loss_reduction == "mean",
+            bad_microbatch=bad_microbatch, training=training,
         )  # fmt: skip
         self._bad_microbatch = shared.bad_microbatch
         return shared.loss
@@ -395,7 +348,7 @@ class Pipeline:
         counted = [p for p in mine if self.ties.counted(p)]
         return clip_grad_norm_(
             mine, max_norm, norm_type, group=self.mesh.pp_group, counted=counted,
-            error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.mesh.timeout,
+            error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.timeout,
         )  # fmt: skip
 
     def predict(self, inputs: Payload | None) -> Payload | None:
@@ -419,7 +372,7 @@ class Pipeline:
                 raise ValueError("the inputs have no samples (a batch of 0); give at least one")
             count = min(count, samples)
         first = self.mesh.layout.rank(0, self.mesh.replica)
-        count = share_count(count, mesh=self.mesh, first=first, transport=self.transport)
+        count = share_count(count, sharing=self._sharing, first=first)
         return (None if payload is None else split(payload, count, what="inputs")), count
 
     def _forward(self, ins: Microbatches | None, count: int, targets: Microbatches | None = None) -> StepResult:
@@ -433,7 +386,8 @@ class Pipeline:
 
     def _record(self, result: StepResult) -> None:
         self.last_result = dataclasses.replace(result, outputs=[])  # the caller's: kept here, they would stay
-        if self.trace is not None:
-            path = self.trace.with_name(f"{self.trace.stem}.rank{self.mesh.rank}{self.trace.suffix or '.json'}")
+        trace = self.chrome_trace
+        if trace is not None:
+            path = trace.with_name(f"{trace.stem}.rank{self.mesh.rank}{trace.suffix or '.json'}")
             path.parent.mkdir(parents=True, exist_ok=True)
             to_chrome_trace(result.events, path, spans=result.spans)

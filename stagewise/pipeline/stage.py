@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, SharedParameter, layers_of, shared_parameters
+from stagewise.pipeline.config import Compute
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.split_backward import ParameterUses, WeightUse, unseen_reads
 from stagewise.pipeline.tied_weights import retie
@@ -71,7 +72,7 @@ def materialise(layer: nn.Module, index: int, device: torch.device, seed: int) -
     """``layer`` on ``device``: its meta parts are allocated there and initialised from ``(seed, index)``.
 
     Only the submodules that hold meta tensors are allocated and reset: a
-    module that an earlier layer shares with this one (a segment of a traced
+    module that an earlier layer shares with this one (a segment of a captured
     model reading a tied embedding) keeps the values it already has.
     """
     if _is_meta(layer):
@@ -350,20 +351,21 @@ def own_stages(
     *,
     device: torch.device,
     seed: int,
-    checkpointing: bool,
-    autocast: torch.dtype | None,
+    compute: Compute,
     fusion: WeightGradientFusion | None,
 ) -> dict[int, StageModule]:
     """This rank's ``stages`` of ``layers`` split at ``bounds``, materialised on ``device`` (see
-    :func:`materialise`) and tied again where they share parameters (``shared``, found before materialising)."""
+    :func:`materialise`), run as ``compute`` says, and tied again where they share parameters (``shared``, found
+    before materialising)."""
     out: dict[int, StageModule] = {}
     for s in stages:
         mine = layers[bounds[s] : bounds[s + 1]]
         for offset, layer in enumerate(mine):
             materialise(layer.module, bounds[s] + offset, device, seed)
         out[s] = StageModule(
-            s, bounds[s], mine, checkpointing=checkpointing, autocast=autocast, device_type=device.type, fusion=fusion
-        )
+            s, bounds[s], mine, checkpointing=compute.activation_checkpointing, autocast=compute.autocast,
+            device_type=device.type, fusion=fusion,
+        )  # fmt: skip
     retie(layers, shared, {i for s in out for i in range(bounds[s], bounds[s + 1])})
     return out
 

@@ -76,7 +76,7 @@ class Ties:
         schedule: Schedule,
         mesh: PipelineMesh,
         *,
-        timeout: float = 300.0,
+        timeout: float,
     ) -> None:
         self.copies: list[TiedCopy] = []
         self.rank = mesh.rank

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from stagewise.comm.timeouts import DEFAULT_TIMEOUT
 from stagewise.models import GPTConfig, preset
 from stagewise.pipeline import NonFinite, WeightGradientFusion
 from stagewise.schedule import ScheduleName
@@ -79,7 +80,7 @@ class TrainConfig:
     :func:`train`)."""
     trace: str | None = None
     """Write a Chrome/Perfetto trace of this run's last step here (one file per rank)."""
-    timeout: float = 300.0
+    timeout: float = DEFAULT_TIMEOUT
     """Seconds any rank waits for another before failing with a named error."""
     nonfinite: NonFinite = "raise"
     """On a NaN or infinite loss: "raise" (naming the step and micro-batch) or "skip" the step."""

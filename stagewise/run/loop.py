@@ -18,7 +18,17 @@ from stagewise.comm import init_mesh
 from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
 from stagewise.models.text import text_splits
 from stagewise.partition import Partition, auto, balance, layers_of
-from stagewise.pipeline import Batch, DataParallel, LossFn, Pipeline, StageLoader, WeightGradientFusion
+from stagewise.pipeline import (
+    Batch,
+    Compute,
+    DataParallel,
+    Diagnostics,
+    LossFn,
+    Pipeline,
+    PipelineOptions,
+    StageLoader,
+    WeightGradientFusion,
+)
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
 from stagewise.run.resume import starting_point
@@ -120,9 +130,8 @@ def preflight(config: TrainConfig) -> None:
         else balance([1.0] * len(layers), n_stages)
     )
     checked_schedule(
-        layers, part, config.schedule, config.microbatches, n_virtual=config.virtual,
-        loss_fn=cast(LossFn, model_config.loss), activation_checkpointing=config.activation_checkpointing,
-        loss_reduction="mean", fuse_weight_gradients=None, nonfinite=config.nonfinite, data_parallel=None,
+        layers, part, config.schedule, config.microbatches, loss_fn=cast(LossFn, model_config.loss),
+        options=pipeline_options(config),
     )  # fmt: skip
     train_data, val_data = _datasets(config, model_config)
     for data, shuffle in ((train_data, True), (val_data, False)):
@@ -152,16 +161,23 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
         n_microbatches=config.microbatches,
         loss_fn=cast(LossFn, model_config.loss),
         mesh=mesh,
-        n_virtual=config.virtual,
-        activation_checkpointing=config.activation_checkpointing,
-        autocast=torch.bfloat16 if config.bf16 else None,
-        seed=config.seed,
         timeout=config.timeout,
+        options=pipeline_options(config),
+    )
+
+
+def pipeline_options(config: TrainConfig) -> PipelineOptions:
+    """The rarer knobs of ``config``'s Pipeline."""
+    fusion = WeightGradientFusion(pool=config.weight_gradient_pool) if config.weight_gradient_fusion else None
+    return PipelineOptions(
+        n_virtual=config.virtual,
+        seed=config.seed,
+        compute=Compute(
+            autocast=torch.bfloat16 if config.bf16 else None, activation_checkpointing=config.activation_checkpointing
+        ),
+        diagnostics=Diagnostics(nonfinite=config.nonfinite),
+        fuse_weight_gradients=fusion,
         data_parallel=DataParallel(),
-        nonfinite=config.nonfinite,
-        fuse_weight_gradients=WeightGradientFusion(pool=config.weight_gradient_pool)
-        if config.weight_gradient_fusion
-        else None,
     )
 
 
@@ -205,9 +221,9 @@ def train(
         began = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         if config.trace is not None and step == end - 1:
-            pipe.trace = Path(config.trace)
+            pipe.chrome_trace = Path(config.trace)
         loss = float(pipe.step(batch.inputs, batch.targets))
-        pipe.trace = None  # the evaluation after it must not overwrite the step's trace
+        pipe.chrome_trace = None  # the evaluation after it must not overwrite the step's trace
         if pipe.skipped:
             summary.skipped.append(step + 1)
         else:

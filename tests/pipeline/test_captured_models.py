@@ -1,4 +1,4 @@
-"""Models that are not chains, traced and split automatically, train on 2 gloo processes exactly as unsplit."""
+"""Models that are not chains, captured and split automatically, train on 2 gloo processes exactly as unsplit."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.distributed.pipelining import Schedule1F1B
 
 from stagewise.comm import init_mesh
 from stagewise.models.nonchain import MaskedTransformer, UNetMLP
-from stagewise.partition import auto, layers_of, shared_parameters, trace
-from stagewise.pipeline import Pipeline, WeightGradientFusion, torch_pipe
+from stagewise.partition import auto, capture, layers_of, shared_parameters
+from stagewise.pipeline import Pipeline, PipelineOptions, WeightGradientFusion, torch_pipe
 
 STEPS = 3
 BATCH = 7  # not a multiple of the 3 micro-batches: sizes 3, 2, 2
@@ -62,16 +62,17 @@ def unsplit(kind: str) -> dict[str, Any]:
     return {"losses": losses, "params": model.state_dict()}
 
 
-def train_traced(kind: str, schedule: str) -> dict[str, Any]:
+def train_captured(kind: str, schedule: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=60)
     model = build(kind)
     example, _ = batches(kind, size=MICRO)[0]
-    chain = trace(model, example)
+    chain = capture(model, example)
     part = auto(chain, 2, example, by="flops")  # the split points, chosen by the partitioner
     pipe = Pipeline(
         chain, part, schedule=schedule, n_microbatches=MICRO, loss_fn=loss_of(kind), mesh=mesh, timeout=30,  # type: ignore[arg-type]
-        fuse_weight_gradients=WeightGradientFusion.every(),  # a segment's graph calls aten.linear: fuse it
+        # a segment's graph calls aten.linear: fuse it
+        options=PipelineOptions(fuse_weight_gradients=WeightGradientFusion.every()),
     )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []
@@ -94,7 +95,7 @@ def check(results: dict[int, dict[str, Any]], want: dict[str, Any]) -> None:
 
 
 def test_a_masked_transformer_trains_as_the_unsplit_model() -> None:
-    results = run_ranks(train_traced, 2, "transformer", "1f1b", timeout=120)
+    results = run_ranks(train_captured, 2, "transformer", "1f1b", timeout=120)
     check(results, unsplit("transformer"))
     # the embedding is a segment of its own, so a split lands between two blocks
     assert results[0]["names"][0] == "<input>" and len(results[0]["bounds"]) == 3
@@ -102,7 +103,7 @@ def test_a_masked_transformer_trains_as_the_unsplit_model() -> None:
 
 def test_a_model_with_long_skip_connections_trains_as_the_unsplit_model() -> None:
     # zero-bubble splits each backward in two; the mixing weights of the skips are tied across both stages
-    check(run_ranks(train_traced, 2, "skip", "zero-bubble", timeout=120), unsplit("skip"))
+    check(run_ranks(train_captured, 2, "skip", "zero-bubble", timeout=120), unsplit("skip"))
 
 
 def torch_and_stagewise(kind: str) -> dict[str, Any]:
@@ -111,14 +112,14 @@ def torch_and_stagewise(kind: str) -> dict[str, Any]:
     rank = dist.get_rank()
     (inputs, targets), size = batches(kind, size=6)[0], 2  # torch's stages take micro-batches of one shape
     example = tuple(t[:size] for t in inputs)
-    chain = trace(build(kind), example)
+    chain = capture(build(kind), example)
     part = auto(chain, 2, example, by="flops")
     pipe = Pipeline(chain, part, schedule="1f1b", n_microbatches=3, loss_fn=loss_of(kind), mesh=mesh, timeout=30)
     ours = pipe.step(inputs, targets).item()
     tied = {name for tie in shared_parameters(layers_of(chain)) for name in tie.names}  # torch does not sum these
     our_grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None and n not in tied}
 
-    theirs = torch_pipe(trace(build(kind), example), part, example)
+    theirs = torch_pipe(capture(build(kind), example), part, example)
     stage = theirs.build_stage(rank, torch.device("cpu"), mesh.pp_group)
     schedule = Schedule1F1B(stage, n_microbatches=3, loss_fn=loss_of(kind))
     losses: list[torch.Tensor] = []

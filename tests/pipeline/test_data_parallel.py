@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from support.cases import Case
 from support.chains import Chain, mse
 from support.late import comm_error, late
 from support.multiproc import run_ranks
@@ -20,25 +19,10 @@ from torch.utils.data import Dataset
 
 from stagewise.comm import CommError, LaunchError, PipelineMesh, init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, StageLoader, WeightGradientFusion, loss_sharing
+from stagewise.pipeline import DataParallel, Pipeline, PipelineOptions, StageLoader, WeightGradientFusion, loss_sharing
 
 STEPS = 3
 CLIP = 0.3  # small enough to clip at every step
-
-
-@dataclass(frozen=True)
-class Case:
-    chain: Chain
-    bounds: tuple[int, ...]
-    schedule: str
-    n_virtual: int
-    n_microbatches: int
-    global_batch: int
-    clip: bool
-    reduction: str = "mean"
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(output, target, reduction=self.reduction)
 
 
 class ChainData(Dataset[tuple[Any, torch.Tensor]]):
@@ -118,14 +102,18 @@ def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
             Partition.from_bounds(case.bounds),
             schedule=case.schedule,  # type: ignore[arg-type]
             n_microbatches=case.n_microbatches,
-            n_virtual=case.n_virtual,
             loss_fn=case.loss,
-            loss_reduction=case.reduction,  # type: ignore[arg-type]
+            # type: ignore[arg-type]
             mesh=mesh,
             timeout=30,
-            data_parallel=DataParallel(bucket_cap_mb=1000, comm_hook=counting_hook),  # one bucket per stage
+            # one bucket per stage
             # DDP's hooks must still see each stage's last backward, and pooled gradients be flushed before it
-            fuse_weight_gradients=WeightGradientFusion.every(pool=2),
+            options=PipelineOptions(
+                n_virtual=case.n_virtual,
+                loss_reduction=case.reduction,
+                data_parallel=DataParallel(bucket_cap_mb=1000, comm_hook=counting_hook),
+                fuse_weight_gradients=WeightGradientFusion.every(pool=2),
+            ),
         )
         data = ChainData(case.chain, STEPS * case.global_batch)
         loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)
@@ -335,8 +323,8 @@ def used_by_one_micro_batch(schedule: str) -> dict[str, torch.Tensor]:
     mesh = init_mesh(1, 2)
     pipe = Pipeline(
         gated(), Partition.from_bounds((0, 4)), schedule=schedule, n_microbatches=3, loss_fn=mse, mesh=mesh,
-        fuse_weight_gradients=WeightGradientFusion.every(),
-        data_parallel=DataParallel(find_unused_parameters=True),
+        options=PipelineOptions(fuse_weight_gradients=WeightGradientFusion.every(),
+                                data_parallel=DataParallel(find_unused_parameters=True)),
     )  # fmt: skip
     x, y = gated_batch()
     r = mesh.replica
@@ -472,7 +460,8 @@ def unused_by_the_synchronising_micro_batch(pp: int) -> dict[str, list[dict[str,
         for unused in (True, False):
             pipe = Pipeline(gate_last(pp), Partition.from_bounds(tuple(range(pp + 1))), schedule=schedule,
                             n_microbatches=3, loss_fn=mse, mesh=mesh, timeout=30,
-                            data_parallel=DataParallel(find_unused_parameters=unused))  # fmt: skip
+                            options=PipelineOptions(
+                                data_parallel=DataParallel(find_unused_parameters=unused)))  # fmt: skip
             out[f"{schedule} {unused}"] = gated_steps(pipe, [(x[6 * r : 6 * r + 6], y[6 * r : 6 * r + 6])
                                                              for x, y in gated_and_ungated()])  # fmt: skip
     if pp == 1:
@@ -498,7 +487,8 @@ def replicas_agree(mesh: PipelineMesh) -> dict[str, bool]:
     momentum and weight decay, whether the replicas hold the same value of each parameter."""
     torch.manual_seed(0)
     pipe = Pipeline(nn.Sequential(TwoBranches()), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
-                    mesh=mesh, timeout=30, data_parallel=DataParallel(find_unused_parameters=True))  # fmt: skip
+                    mesh=mesh, timeout=30,
+                    options=PipelineOptions(data_parallel=DataParallel(find_unused_parameters=True)))  # fmt: skip
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
     x[:, 0] = float(mesh.replica)

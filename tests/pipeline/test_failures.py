@@ -12,7 +12,7 @@ from torch import nn
 
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline
+from stagewise.pipeline import Diagnostics, Pipeline, PipelineOptions
 
 
 def poisoned(policy: str) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def poisoned(policy: str) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(
         model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss, mesh=mesh,
-        timeout=20, nonfinite=policy,  # type: ignore[arg-type]
+        timeout=20, options=PipelineOptions(diagnostics=Diagnostics(nonfinite=policy)),  # type: ignore[arg-type]
     )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     skipped, snapshots = [], []
@@ -67,7 +67,8 @@ def accumulate_then_poison() -> dict[str, list[bool]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss,
-                    mesh=init_mesh(2, timeout=60), timeout=20, nonfinite="skip")  # fmt: skip
+                    mesh=init_mesh(2, timeout=60), timeout=20,
+                    options=PipelineOptions(diagnostics=Diagnostics(nonfinite="skip")))  # fmt: skip
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     pipe.step(x, y)
     first = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}

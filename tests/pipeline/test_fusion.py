@@ -249,7 +249,8 @@ def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[H
 def test_holdings_follow_the_chosen_pool() -> None:
     schedule = build("1f1b", 2, 8)
     assert holdings(schedule, WeightGradientFusion(pool=None)) == ((Holding(2),), (Holding(1),))  # 1F1B pools nothing
-    # Without fusion (Pipeline(fuse_weight_gradients=None)) autograd accumulates: GPipe too holds only its forwards.
+    # Without fusion (PipelineOptions(fuse_weight_gradients=None)) autograd accumulates: GPipe too holds only its
+    # forwards.
     assert holdings(build("gpipe", 2, 4), None) == ((Holding(4),),) * 2
     assert holdings(schedule, WeightGradientFusion(pool=3)) == tuple(_moments(schedule.ranks[r], 3, r) for r in (0, 1))
     gpipe = holdings(build("gpipe", 2, 4), WeightGradientFusion(pool=None))

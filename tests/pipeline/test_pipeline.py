@@ -19,7 +19,7 @@ from support.multiproc import run_ranks
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition, layers_of
-from stagewise.pipeline import Pipeline, WeightGradientFusion, materialise_model
+from stagewise.pipeline import Compute, Diagnostics, Pipeline, PipelineOptions, WeightGradientFusion, materialise_model
 from stagewise.schedule import Schedule, build, validate
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=4, n_heads=2)  # 7 layers
@@ -34,7 +34,14 @@ def gpt_on_meta(n_ranks: int) -> dict[str, object]:
     torch.set_num_threads(1)
     mesh = init_mesh(n_ranks, timeout=30)
     model = GPT(CONFIG, device="meta")
-    pipe = Pipeline(model, Partition.from_bounds(SPLITS[n_ranks]), n_microbatches=2, loss_fn=lm_loss, mesh=mesh, seed=7)
+    pipe = Pipeline(
+        model,
+        Partition.from_bounds(SPLITS[n_ranks]),
+        n_microbatches=2,
+        loss_fn=lm_loss,
+        mesh=mesh,
+        options=PipelineOptions(seed=7),
+    )
     allocated = sum(p.numel() for p in model.parameters() if not p.is_meta)
     own = sum(p.numel() for p in pipe.parameters())
     initial = {k: v.clone() for k, v in pipe.state_dict().items()}
@@ -167,10 +174,10 @@ def passing_views() -> torch.nn.Sequential:
 
 def gradients_passed_as_views(fusion: bool) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    options = {} if fusion else {"fuse_weight_gradients": None}
+    options = PipelineOptions() if fusion else PipelineOptions(fuse_weight_gradients=None)
     pipe = Pipeline(
         passing_views(), Partition.from_bounds((0, 2, 3, 5)), n_microbatches=4, loss_fn=mse, mesh=init_mesh(3),
-        **options,  # type: ignore[arg-type]
+        options=options,
     )  # fmt: skip
     torch.manual_seed(1)
     pipe.step(torch.randn(8, 8), torch.randn(8, 8))
@@ -277,7 +284,8 @@ def batch_norm_model() -> torch.nn.Sequential:
 def checkpointed_batch_norm() -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
     pipe = Pipeline(batch_norm_model(), Partition.from_bounds((0, 2, 5)), n_microbatches=1, loss_fn=mse,
-                    mesh=init_mesh(2), activation_checkpointing=True)  # fmt: skip
+                    mesh=init_mesh(2),
+                    options=PipelineOptions(compute=Compute(activation_checkpointing=True)))  # fmt: skip
     torch.manual_seed(1)
     for _ in range(2):
         pipe.step(torch.randn(8, 4) * 3 + 1, torch.randn(8, 2))
@@ -463,8 +471,10 @@ def misc(tmp: str) -> dict[str, object]:
         n_microbatches=3,
         loss_fn=mse,
         mesh=mesh,
-        activation_checkpointing=True,
-        trace=Path(tmp) / "trace.json",
+        options=PipelineOptions(
+            compute=Compute(activation_checkpointing=True),
+            diagnostics=Diagnostics(chrome_trace=Path(tmp) / "trace.json"),
+        ),
     )
     out["loss"] = pipe.step(x, y).item()
     out["grads"] = {n: p.grad.clone() for n, p in pipe.named_parameters()}
@@ -624,7 +634,7 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
             schedule="zero-bubble",
             n_microbatches=2,
             loss_fn=mse,
-            activation_checkpointing=True,
+            options=PipelineOptions(compute=Compute(activation_checkpointing=True)),
         )
     with pytest.raises(
         ValueError,
@@ -637,7 +647,7 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(TypeError, match=r"fuse_weight_gradients must be a WeightGradientFusion or None, got 0; "):
         Pipeline(
             chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse,
-            fuse_weight_gradients=0,  # type: ignore[arg-type]
+            options=PipelineOptions(fuse_weight_gradients=0),  # type: ignore[arg-type]
         )  # fmt: skip
     bad_values = (("min_elements", True), ("min_pooled_elements", -1), ("pool", 0), ("pool", 1.5), ("pool", "all"))
     for field, bad in bad_values:

@@ -3,36 +3,21 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.cases import Case
 from support.chains import KINDS, Chain, mse, reference
 from support.multiproc import run_ranks
 
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline, WeightGradientFusion
+from stagewise.pipeline import Pipeline, PipelineOptions, WeightGradientFusion
 
 STEPS = 3
-EVERY = WeightGradientFusion.every()
-"""These layers are small: fuse every linear weight, whatever its size."""
-
-
-@dataclass(frozen=True)
-class Case:
-    chain: Chain
-    bounds: tuple[int, ...]
-    schedule: str
-    n_virtual: int
-    n_microbatches: int
-    batch: int
-    fusion: WeightGradientFusion | None = EVERY
-    """How linear weight gradients are accumulated: inside their GEMMs, pooled, or by autograd (None)."""
-    over_gloo: bool = False
-    """Exchange through the transport's own gloo group, as ranks on other hosts do, rather than shared memory."""
 
 
 def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
@@ -47,17 +32,16 @@ def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
             Partition.from_bounds(case.bounds),
             schedule=case.schedule,  # type: ignore[arg-type]
             n_microbatches=case.n_microbatches,
-            n_virtual=case.n_virtual,
             loss_fn=mse,
             mesh=mesh,
             timeout=20,
-            fuse_weight_gradients=case.fusion,
+            options=PipelineOptions(n_virtual=case.n_virtual, fuse_weight_gradients=case.fusion),
         )
         params = list(pipe.parameters())
         opt = torch.optim.SGD(params, lr=0.05) if params else None  # a stage may hold only GELUs
         losses, first_grads = [], {}
         for step in range(STEPS):
-            x, y = case.chain.batch(case.batch, step)
+            x, y = case.chain.batch(case.global_batch, step)
             if opt is not None:
                 opt.zero_grad()
             losses.append(pipe.step(x, y).item())
@@ -95,7 +79,7 @@ def cases(draw: st.DrawFn, n_ranks: int) -> Case:
 def check(case_list: list[Case], n_ranks: int) -> None:
     per_rank = run_ranks(train_cases, n_ranks, case_list, n_ranks, timeout=240)
     for i, case in enumerate(case_list):
-        want = reference(case.chain, case.batch, STEPS)
+        want = reference(case.chain, case.global_batch, STEPS)
         got_grads: dict[str, torch.Tensor] = {}
         got_params: dict[str, torch.Tensor] = {}
         for rank in range(n_ranks):

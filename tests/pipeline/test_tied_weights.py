@@ -15,7 +15,7 @@ from support.multiproc import run_ranks
 from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, materialise_model, tied_weights
+from stagewise.pipeline import DataParallel, Pipeline, PipelineOptions, materialise_model, tied_weights
 
 STEPS = 3
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)
@@ -59,7 +59,7 @@ def train_tied(schedule: str, bounds: tuple[int, ...], pp: int, dp: int, clip: f
         n_microbatches=2,
         loss_fn=lm_loss,
         mesh=mesh,
-        seed=5,
+        options=PipelineOptions(seed=5),
         timeout=30,
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.2)
@@ -108,7 +108,7 @@ def accumulate_tied(dp: int) -> dict[str, torch.Tensor]:
     mesh = init_mesh(2, dp, timeout=60)
     ddp = DataParallel(gradient_as_bucket_view=True)
     pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
-                    mesh=mesh, seed=5, timeout=30, data_parallel=ddp)  # fmt: skip
+                    mesh=mesh, timeout=30, options=PipelineOptions(seed=5, data_parallel=ddp))  # fmt: skip
     for x, y in batches(4 * dp)[:2]:
         share = slice(4 * mesh.replica, 4 * mesh.replica + 4)
         pipe.step(x[share], y[share])
@@ -135,7 +135,7 @@ def stalled_tie(seconds: float) -> str:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=60)
     pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
-                    mesh=mesh, seed=5, timeout=3)  # fmt: skip
+                    mesh=mesh, options=PipelineOptions(seed=5), timeout=3)  # fmt: skip
     if mesh.rank == 1:
         pipe.ties.sum_gradients = late(pipe.ties.sum_gradients, seconds)  # type: ignore[method-assign]
     x, y = batches(4)[0]
@@ -157,7 +157,11 @@ def late_to_synchronise(seconds: float) -> str:
         tied_weights.Ties.synchronise = late(tied_weights.Ties.synchronise, seconds)  # type: ignore[method-assign]
     part = Partition.from_bounds((0, 2, 6))
     model = GPT(CONFIG, device="meta")
-    return comm_error(lambda: Pipeline(model, part, n_microbatches=2, loss_fn=lm_loss, mesh=mesh, seed=5, timeout=3))
+    return comm_error(
+        lambda: Pipeline(
+            model, part, n_microbatches=2, loss_fn=lm_loss, mesh=mesh, options=PipelineOptions(seed=5), timeout=3
+        )
+    )
 
 
 def test_a_copy_late_to_its_initial_value_gives_a_named_timeout() -> None:
@@ -173,7 +177,7 @@ def frozen_tie() -> list[bool]:
     model = GPT(CONFIG, device="meta")
     model.embed.tokens.weight.requires_grad_(False)  # the tied embedding and head, frozen
     pipe = Pipeline(model, Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss, mesh=init_mesh(2),
-                    seed=5, timeout=30)  # fmt: skip
+                    options=PipelineOptions(seed=5), timeout=30)  # fmt: skip
     x, y = batches(4)[0]
     pipe.step(x, y)
     got = [p.grad is None for name, p in pipe.named_parameters() if name in TIED]

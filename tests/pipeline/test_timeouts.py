@@ -1,0 +1,114 @@
+"""One timeout: the Pipeline's bounds every kind of wait it makes, whatever the mesh's own."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from support.multiproc import run_ranks
+
+from stagewise.comm import errors, init_mesh, waits
+from stagewise.models import GPT, GPTConfig
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline
+
+CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)
+MESH_TIMEOUT = 40.0
+PIPELINE_TIMEOUT = 17.0
+
+
+def _seconds(value: object) -> float | None:
+    """A timeout as seconds, whether given as a timedelta or a number (None: none given)."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return None if value is None else float(value)  # type: ignore[arg-type]
+
+
+def _recording(fn: Callable[..., Any], kind: str, seen: list[tuple[str, float | None]]) -> Callable[..., Any]:
+    """``fn``, noting the timeout each call gives it (with what it waits for) in ``seen``."""
+
+    @functools.wraps(fn)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append((f"{kind}: {kwargs.get('what', '')}", _seconds(kwargs.get("timeout"))))
+        return fn(*args, **kwargs)
+
+    return recorded
+
+
+def _patch_waits(seen: list[tuple[str, float | None]]) -> None:
+    """Record every call of the two wait primitives, wherever a stagewise module took them by name."""
+    originals = {"named_collective": errors.named_collective, "wait_for": waits.wait_for}
+    for module in [m for name, m in sys.modules.items() if name.startswith("stagewise.")]:
+        for name, original in originals.items():
+            if getattr(module, name, None) is original:
+                setattr(module, name, _recording(original, name, seen))
+
+
+def timeouts_seen(pipeline_timeout: float | None) -> dict[str, object]:
+    """Build a pipeline (pp=2, dp=2, a tied embedding across its ranks), step it over the transport's gloo
+    groups and clip; return every timeout a wait was given, and the transport's."""
+    torch.set_num_threads(1)
+    os.environ["STAGEWISE_SHARED_MEMORY"] = "0"  # the transport over its gloo groups, waiting with wait_for
+    mesh = init_mesh(2, 2, timeout=MESH_TIMEOUT)
+    seen: list[tuple[str, float | None]] = []
+    _patch_waits(seen)
+    groups: list[float] = []
+    new_group = dist.new_group
+
+    def recording_group(*args: Any, **kwargs: Any) -> Any:
+        groups.append(_seconds(kwargs.get("timeout")) or -1.0)
+        return new_group(*args, **kwargs)
+
+    dist.new_group = recording_group  # type: ignore[assignment]
+    pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2,
+                    loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), mesh=mesh,
+                    timeout=pipeline_timeout)  # fmt: skip
+    dist.new_group = new_group  # type: ignore[assignment]
+    ids = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
+    pipe.step(ids[:, :-1], ids[:, 1:])
+    pipe.clip_grad_norm_(1.0)
+    pipe.evaluate(ids[:, :-1], ids[:, 1:])
+    out = {"pipe": pipe.timeout, "transport": _seconds(pipe.transport.timeout), "waits": seen, "groups": groups}
+    pipe.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_one_timeout_bounds_every_kind_of_wait() -> None:
+    results = run_ranks(timeouts_seen, 4, PIPELINE_TIMEOUT, timeout=180)
+    kinds = set()
+    for rank, got in results.items():
+        assert got["pipe"] == PIPELINE_TIMEOUT
+        assert got["transport"] == PIPELINE_TIMEOUT, rank
+        assert got["groups"] and set(got["groups"]) == {PIPELINE_TIMEOUT}, (rank, got["groups"])  # ties, transport
+        waits_seen = got["waits"]
+        assert isinstance(waits_seen, list)
+        wrong = [(what, value) for what, value in waits_seen if value != PIPELINE_TIMEOUT]
+        assert not wrong, (rank, wrong)
+        kinds |= {what for what, _ in waits_seen}
+    for part in (
+        "wait_for: the activation",
+        "wait_for: the gradient",
+        "wait_for: the loss",
+        "tied parameter",
+        "DDP's all-reduce",
+        "all-reduce of the gradients' norm",
+        "all-gather of the replicas'",
+    ):
+        assert any(part in what for what in kinds), (part, sorted(kinds))
+
+
+@pytest.mark.parametrize(("bad", "error"), [(0, ValueError), (float("nan"), ValueError), ("5", TypeError)])
+def test_a_bad_timeout_is_refused_before_any_process_group(bad: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="timeout must be"):
+        Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=F.mse_loss,
+                 timeout=bad)  # type: ignore[arg-type]  # fmt: skip
