@@ -1,4 +1,4 @@
-"""Process groups and device mesh, the local launcher, and point-to-point transfer between stages."""
+"""Process groups and device mesh, the local launcher, and the transport between stages with its wires."""
 
 from stagewise.comm.agreement import everyone_agrees
 from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed, named_collective
@@ -12,10 +12,11 @@ from stagewise.comm.launch import (
 from stagewise.comm.launch_failures import LaunchError, RankFailure
 from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
 from stagewise.comm.meta import TensorMeta
-from stagewise.comm.p2p import Transport
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors
 from stagewise.comm.receiving import Receiving
+from stagewise.comm.transport import Transport
 from stagewise.comm.waits import Pending
+from stagewise.comm.wire import Wire
 
 __all__ = [
     "Backend",
@@ -35,6 +36,7 @@ __all__ = [
     "StartMethod",
     "TensorMeta",
     "Transport",
+    "Wire",
     "as_tensors",
     "choose_backend",
     "collective_failed",

@@ -1,37 +1,38 @@
-"""Receiving a payload posted by Transport.irecv: control words, metadata when the layout changes, then data."""
+"""Receiving: a payload posted by Transport.irecv, read as control words, metadata when the layout changes, data."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
+from stagewise.comm.channel import Channel
 from stagewise.comm.errors import CommError
-from stagewise.comm.meta import decode
+from stagewise.comm.meta import TensorMeta, decode
 from stagewise.comm.payload import Payload, PayloadLayout, has_bytes
 from stagewise.comm.waits import Work
-
-if TYPE_CHECKING:
-    from stagewise.comm.p2p import Transport
+from stagewise.comm.wire import Op
 
 
-@dataclass
-class Channel:
-    """What both ends of one (peer, stream) direction know after each message."""
+class Receiver(Protocol):
+    """What a receive needs of the transport that posted it (:class:`~stagewise.comm.transport.Transport`)."""
 
-    layout: PayloadLayout | None = None
-    """The layout of the last message."""
-    stable: bool = False
-    """True when the last message had the same layout as the one before it."""
-    count: int = 0
-    """Messages so far; each control word carries its message's number."""
-    standing: torch.Tensor | None = None
-    """Receiver, gloo, stable: the buffer of the control receive left posted for the next change of layout."""
-    standing_work: Work | None = None
-    notice: tuple[int, int] | None = None
-    """Receiver: a change of layout announced for a later message, (its number, metadata length)."""
+    device: torch.device
+    rank: int
+    speculate: bool
+    """The wire keeps tags apart: a steady stream's data receive is posted with its control word's."""
+    standing: bool
+    """Steady streams drop their control words: one control receive stays posted for the next change."""
+
+    def _channel_from(self, src: int, stream: int) -> Channel: ...
+    def _ops(self, send: bool, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[Op]: ...
+    def _post(self, ops: list[Op]) -> list[Work]: ...
+    def _take(self, meta: TensorMeta) -> torch.Tensor: ...
+    def _wait_all(self, works: Sequence[Work], src: int, what: str) -> None: ...
+    def _receive(self, tensors: Sequence[torch.Tensor], src: int, tag: int, what: str) -> None: ...
+    def _received(self, src: int, stream: int) -> None: ...
+    def release(self, payload: Payload) -> None: ...
 
 
 _NO_CONTROL = torch.empty(0, dtype=torch.int64)
@@ -41,42 +42,46 @@ class Receiving:
     """A posted receive; :meth:`wait` returns the payload (see :meth:`Transport.irecv`)."""
 
     def __init__(
-        self, transport: Transport, src: int, stream: int, what: str, expect: PayloadLayout | None = None
+        self, transport: Receiver, src: int, stream: int, what: str, expect: PayloadLayout | None = None
     ) -> None:
         self.transport, self.src, self.stream, self.what = transport, src, stream, what
         t = transport
         self.expect = expect
-        self.channel = channel = t._received.setdefault((src, stream), Channel())
+        self.channel = channel = t._channel_from(src, stream)
         self.buffers: list[torch.Tensor] = []
         self.result: Payload | None = None
         self.control = _NO_CONTROL  # a buffer only where a control word is awaited with this message
         self.control_work: Work | None = None
+        self.steady = False
         if expect is not None:
             self.buffers = [t._take(m) for m in expect[1]]
-            self.data_works = t._post(t._ops(dist.irecv, self.buffers, src, 2 * stream + 1))
+            self.data_works = t._post(t._ops(False, self.buffers, src, 2 * stream + 1))
             return
         self.steady = t.speculate and channel.stable
         if self.steady:
-            assert channel.layout is not None
-            if not t.standing:
-                control = [self._control_buffer()]
-            else:  # the control word comes only with a change: leave one receive posted for it
-                control = []
-                if channel.standing is None and channel.notice is None:
-                    channel.standing = torch.zeros(2, dtype=torch.int64, device=t.device)
-                    control = [channel.standing]
-            self.buffers = [t._take(m) for m in channel.layout[1]]
-            works = t._post(
-                t._ops(dist.irecv, control, src, 2 * stream) + t._ops(dist.irecv, self.buffers, src, 2 * stream + 1)
-            )
-            if control and t.standing:
-                channel.standing_work = works.pop(0)
-            elif control:
-                self.control_work = works.pop(0)
-            self.data_works = works
+            self._post_steady()
         else:
-            self.control_work = t._post(t._ops(dist.irecv, [self._control_buffer()], src, 2 * stream))[0]
+            self.control_work = t._post(t._ops(False, [self._control_buffer()], src, 2 * stream))[0]
             self.data_works = []
+
+    def _post_steady(self) -> None:
+        """Post the data receive in the layout the stream keeps, with the control word's where one comes."""
+        t, channel, src, stream = self.transport, self.channel, self.src, self.stream
+        assert channel.layout is not None
+        if not t.standing:
+            control = [self._control_buffer()]
+        else:  # the control word comes only with a change: leave one receive posted for it
+            control = []
+            if channel.standing is None and channel.notice is None:
+                channel.standing = torch.zeros(2, dtype=torch.int64, device=t.device)
+                control = [channel.standing]
+        self.buffers = [t._take(m) for m in channel.layout[1]]
+        works = t._post(t._ops(False, control, src, 2 * stream) + t._ops(False, self.buffers, src, 2 * stream + 1))
+        if control and t.standing:
+            channel.standing_work = works.pop(0)
+        elif control:
+            self.control_work = works.pop(0)
+        self.data_works = works
 
     def _control_buffer(self) -> torch.Tensor:
         self.control = torch.empty(2, dtype=torch.int64, device=self.transport.device)
@@ -102,61 +107,65 @@ class Receiving:
         """The payload; blocks up to the transport's timeout per wait."""
         if self.result is not None:
             return self.result
-        t, src, stream, what, channel = self.transport, self.src, self.stream, self.what, self.channel
-        if self.expect is not None:
-            try:
-                t._wait_all(self.data_works, src, what)
-            finally:
-                t._receiving.discard((src, stream))
-            for b, m in zip(self.buffers, self.expect[1], strict=True):
-                b.requires_grad_(m.requires_grad)
-            self.result = tuple(self.buffers) if self.expect[0] else self.buffers[0]
-            return self.result
+        t = self.transport
         try:
-            channel.count += 1
-            # The data (or the stand-in for the old layout) follows its control word, so waiting for the
-            # data first leaves nothing to wait for in the control word: one wake-up per message, not two.
-            t._wait_all(self.data_works, src, what)
-            if self.steady and t.standing:
-                words = self._announced(channel.count)
+            if self.expect is not None:
+                t._wait_all(self.data_works, self.src, self.what)
+                buffers, layout = self.buffers, self.expect
             else:
-                assert self.control_work is not None
-                t._wait_all([self.control_work], src, f"{what} (control word)")
-                number, words = (int(v) for v in self.control.tolist())
-                if number != channel.count:
-                    raise CommError(
-                        f"rank {t.rank} got message {number} from rank {src} on stream {stream} where it expected "
-                        f"message {channel.count}; both sides must exchange messages in the same order",
-                        rank=t.rank,
-                        peer=src,
-                        what=what,
-                    )
-            buffers = self.buffers
-            if words:
-                if buffers:
-                    t.release(tuple(buffers))  # the sender's stand-in for the old layout
-                    buffers = []
-                header = torch.empty(words, dtype=torch.int64, device=t.device)
-                t._receive([header], src, 2 * stream, f"{what} (metadata)")
-                layout = decode(header.cpu())
-            elif channel.layout is None:
-                raise CommError(
-                    f"rank {t.rank} got a payload from rank {src} without metadata on stream {stream}; "
-                    "both sides must exchange messages in the same order",
-                    rank=t.rank,
-                    peer=src,
-                    what=what,
-                )
-            else:
-                layout = channel.layout
-            if not buffers:
-                buffers = [t._take(m) for m in layout[1]]
-                t._receive(buffers, src, 2 * stream + 1, what)
+                buffers, layout = self._read()
         finally:
-            t._receiving.discard((src, stream))
-        channel.stable = not words and has_bytes(layout)
-        channel.layout = layout
+            t._received(self.src, self.stream)
         for b, m in zip(buffers, layout[1], strict=True):
             b.requires_grad_(m.requires_grad)
         self.result = tuple(buffers) if layout[0] else buffers[0]
         return self.result
+
+    def _read(self) -> tuple[list[torch.Tensor], PayloadLayout]:
+        """The message's buffers and layout, after its control word, metadata (if any) and data."""
+        t, src, stream, what, channel = self.transport, self.src, self.stream, self.what, self.channel
+        channel.count += 1
+        # The data (or the stand-in for the old layout) follows its control word, so waiting for the
+        # data first leaves nothing to wait for in the control word: one wake-up per message, not two.
+        t._wait_all(self.data_works, src, what)
+        words = self._announced(channel.count) if self.steady and t.standing else self._control_word()
+        buffers = self.buffers
+        if words:
+            if buffers:
+                t.release(tuple(buffers))  # the sender's stand-in for the old layout
+                buffers = []
+            header = torch.empty(words, dtype=torch.int64, device=t.device)
+            t._receive([header], src, 2 * stream, f"{what} (metadata)")
+            layout = decode(header.cpu())
+        elif channel.layout is None:
+            raise CommError(
+                f"rank {t.rank} got a payload from rank {src} without metadata on stream {stream}; "
+                "both sides must exchange messages in the same order",
+                rank=t.rank,
+                peer=src,
+                what=what,
+            )
+        else:
+            layout = channel.layout
+        if not buffers:
+            buffers = [t._take(m) for m in layout[1]]
+            t._receive(buffers, src, 2 * stream + 1, what)
+        channel.stable = not words and has_bytes(layout)
+        channel.layout = layout
+        return buffers, layout
+
+    def _control_word(self) -> int:
+        """Wait for this message's control word; the length of the metadata that follows (0: none)."""
+        t, src, what, channel = self.transport, self.src, self.what, self.channel
+        assert self.control_work is not None
+        t._wait_all([self.control_work], src, f"{what} (control word)")
+        number, words = (int(v) for v in self.control.tolist())
+        if number != channel.count:
+            raise CommError(
+                f"rank {t.rank} got message {number} from rank {src} on stream {self.stream} where it expected "
+                f"message {channel.count}; both sides must exchange messages in the same order",
+                rank=t.rank,
+                peer=src,
+                what=what,
+            )
+        return words

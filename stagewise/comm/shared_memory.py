@@ -2,26 +2,26 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import mmap
-import multiprocessing.util
 import os
 import secrets
 import selectors
 import shutil
 import struct
-import tempfile
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from stagewise.comm import shared_memory_files as files
+from stagewise.comm.timeouts import DEFAULT_TIMEOUT
+from stagewise.comm.waits import Work
+from stagewise.comm.wire import Op
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ _RECORD = struct.Struct("<qqqq")  # kind, segment, tag, bytes
 _MESSAGE, _FREED = 1, 2
 _ATOMIC = 4096 // _RECORD.size * _RECORD.size  # a pipe write of at most PIPE_BUF bytes is never split
 _SMALLEST = 4096  # segment sizes are powers of two from here
+_BROADCAST = -1  # the tag of broadcasts: the transport's messages use tags from 0
 
 
 class WireWork:
@@ -39,12 +40,11 @@ class WireWork:
     def __init__(self, wire: SharedMemoryWire, peer: int) -> None:
         self.wire, self.peer, self.done = wire, peer, False
 
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        """True once complete; False when ``timeout`` passed first; a lost peer raises RuntimeError."""
+    def wait(self, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        """True once complete; False when ``timeout`` seconds passed first; a lost peer raises RuntimeError."""
         if self.done:
             return True
-        seconds = 300.0 if timeout is None else timeout.total_seconds()
-        return self.wire.progress(self, time.monotonic() + seconds)
+        return self.wire.progress(self, time.monotonic() + timeout)
 
 
 class SharedMemoryWire:
@@ -66,8 +66,15 @@ class SharedMemoryWire:
     completes once the receiver has copied its data out, so waiting for sends
     means what it means on gloo.
     Segments are kept for reuse, powers of two in size, so a rank holds
-    about the most it ever had in flight to each peer.
+    about the most it ever had in flight to each peer. Their files are named
+    after their process, which removes them at exit; what a killed process
+    left, the next wire's start removes (:mod:`~stagewise.comm.shared_memory_files`).
     """
+
+    matches_tags = True
+    """Messages on different tags stay apart, as gloo's do."""
+    exclusive = True
+    """The pipes and segments are this wire's alone."""
 
     def __init__(self, rank: int, peers: Sequence[int], folders: dict[int, Path]) -> None:
         self.rank = rank
@@ -93,13 +100,14 @@ class SharedMemoryWire:
         """Messages that arrived before their receive was posted, by (peer, tag): each segment's number and data,
         left in the sender's segment (as gloo leaves it with the sender) until the receive is posted."""
         self.closed = False
+        files.watch(self)
 
     @property
     def segments(self) -> int:
         """How many segments this rank has made for its sends (each is reused once its message was received)."""
         return self._next_segment
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a process forked from this rank (a data loader's worker): close the inherited pipes, so that this
         rank's death still reaches its peers as the end of its pipes, and let the wire be."""
         if self.closed:
@@ -127,9 +135,20 @@ class SharedMemoryWire:
         # The folder served the pipes and the token (read by every peer before the first barrier): gone now, so a
         # rank that exits without closing leaves nothing behind but segments no peer received.
         shutil.rmtree(self.folder, ignore_errors=True)
-        _LIVE.add(self)
 
     # Posting.
+
+    def post(self, ops: list[Op]) -> list[Work]:
+        """Post ``ops`` in order (see :meth:`isend`, :meth:`irecv`)."""
+        return [(self.isend if op.send else self.irecv)(op.tensor, op.peer, op.tag) for op in ops]
+
+    def broadcast(self, tensor: torch.Tensor, source: int, group: dist.ProcessGroup) -> list[tuple[int, Work]]:
+        """A message from ``source`` to each other rank of ``group``, on a tag of its own: on ``source`` the
+        sends, elsewhere the receive into ``tensor``."""
+        if self.rank != source:
+            return [(source, self.irecv(tensor, source, _BROADCAST))]
+        others = [peer for peer in dist.get_process_group_ranks(group) if peer != source]
+        return [(peer, self.isend(tensor, peer, _BROADCAST)) for peer in others]
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> WireWork:
         """Copy ``tensor`` (contiguous) into a segment and announce it to ``peer``."""
@@ -169,7 +188,7 @@ class SharedMemoryWire:
         if idle:
             return idle.pop()
         number, self._next_segment = self._next_segment, self._next_segment + 1
-        path = _segment_path(self.folder, number)
+        path = files.segment_path(self.folder, number)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Reserve the memory now: a sparse file on a full tmpfs would fail later, on a page, with SIGBUS.
@@ -188,7 +207,7 @@ class SharedMemoryWire:
         finally:
             os.close(fd)
         self._segments[number] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
-        _made(path)
+        files.made(path)
         return number
 
     # Progress.
@@ -242,7 +261,7 @@ class SharedMemoryWire:
         """``peer``'s segment ``number``, mapped here on its first message (a segment keeps its size)."""
         segment = self._mapped.get((peer, number))
         if segment is None:
-            path = _segment_path(self._folders[peer], number)
+            path = files.segment_path(self._folders[peer], number)
             try:
                 with open(path, "r+b") as file:
                     # The sender's memory, mapped: no allocation of this rank's (torch.from_file would count as one).
@@ -288,61 +307,15 @@ class SharedMemoryWire:
         if self.closed:
             return
         self.closed = True
-        _LIVE.discard(self)  # its descriptors' numbers may be reused: a later fork must not close them
+        files.unwatch(self)
         self._selector.close()
         for fd in (*self._in.values(), *self._out.values()):
             os.close(fd)
         for number in self._segments:  # those its peers never received (a peer unlinks what it maps)
-            path = _segment_path(self.folder, number)
-            path.unlink(missing_ok=True)
-            _MADE.discard(path)
+            files.unmade(files.segment_path(self.folder, number))
         self._segments.clear()
         self._mapped.clear()
         shutil.rmtree(self.folder, ignore_errors=True)  # left by a connect that failed
-
-
-_MADE: set[Path] = set()
-"""The segment files this process made: those still there at its exit (no peer received them) are removed then."""
-
-
-def _remove_made() -> None:
-    for path in _MADE:
-        with contextlib.suppress(OSError):
-            path.unlink()
-    _MADE.clear()
-
-
-_CLEANS: list[int] = []
-"""The process that registered :func:`_remove_made` for its exit (a forked child registers its own)."""
-
-
-def _made(path: Path) -> None:
-    _MADE.add(path)
-    if [os.getpid()] != _CLEANS:
-        _CLEANS[:] = [os.getpid()]
-        atexit.register(_remove_made)
-        # multiprocessing's processes leave by os._exit, past atexit; its finalizers run in the process that made them.
-        multiprocessing.util.Finalize(None, _remove_made, exitpriority=0)
-
-
-_LIVE: weakref.WeakSet[SharedMemoryWire] = weakref.WeakSet()
-"""Every connected wire of this process, for :func:`_after_fork`."""
-
-
-def _after_fork() -> None:
-    for wire in list(_LIVE):
-        wire._forget_in_child()
-    _LIVE.clear()
-    _MADE.clear()  # the parent's segments, for the parent to remove: a child's exit must not take them
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork)
-
-
-def _segment_path(folder: Path, number: int) -> Path:
-    """Where the rank of ``folder`` keeps its segment ``number``: beside the folder, which goes after connecting."""
-    return folder.parent / f"{folder.name}-segment-{number}"
 
 
 def _size(nbytes: int) -> str:
@@ -359,13 +332,6 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype is not torch.uint8 else flat
 
 
-def _shared_folder() -> Path:
-    """A fresh folder for this rank's pipes while connecting (its segments go beside it): on /dev/shm (memory)
-    where there is one."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return Path(tempfile.mkdtemp(prefix="stagewise-", dir=base))
-
-
 def connect_shared_memory(group: dist.ProcessGroup, rank: int) -> SharedMemoryWire | None:
     """A wire between the ranks of ``group`` (collective), or None where some pair of them shares no memory.
 
@@ -375,7 +341,7 @@ def connect_shared_memory(group: dist.ProcessGroup, rank: int) -> SharedMemoryWi
     """
     if not hasattr(os, "mkfifo"):
         return None
-    folder = _shared_folder()
+    folder = files.new_folder()
     token = secrets.token_hex(16)
     (folder / "token").write_text(token)
     everyone: list[tuple[int, str, str] | None] = [None] * dist.get_world_size(group)

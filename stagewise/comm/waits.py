@@ -1,10 +1,9 @@
-"""Bounded waits on torch.distributed work: a timeout or a lost peer becomes an error that names what was awaited."""
+"""Bounded waits on posted transfers: a timeout or a lost peer becomes an error that names what was awaited."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -13,17 +12,10 @@ from stagewise.comm.errors import CommTimeoutError, PeerGoneError, first_line, t
 
 
 class Work(Protocol):
-    """A posted transfer, as ``dist.Work`` or the shared-memory wire's: ``wait`` is True once it completed."""
+    """A posted transfer of a wire: ``wait`` is True once it completed, False when ``timeout`` seconds passed first;
+    a lost peer raises RuntimeError."""
 
-    def wait(self, timeout: timedelta = ...) -> bool: ...
-
-
-def seconds(timeout: float | timedelta) -> timedelta:
-    """``timeout`` (seconds, or a timedelta) as a timedelta; refused unless positive."""
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise ValueError(f"timeout must be positive, got {value.total_seconds()} s")
-    return value
+    def wait(self, timeout: float) -> bool: ...
 
 
 @dataclass
@@ -34,7 +26,8 @@ class Pending:
     rank: int
     peer: int
     what: str
-    timeout: timedelta
+    timeout: float
+    """Seconds each wait may last."""
     keep: list[torch.Tensor] = field(default_factory=list)
     """The tensors being sent, kept alive until the sends complete."""
     done: Callable[[Sequence[torch.Tensor]], None] | None = None
@@ -48,8 +41,9 @@ class Pending:
         self.works, self.keep = [], []
 
 
-def wait_for(work: Work, *, rank: int, peer: int, what: str, timeout: timedelta, sending: bool) -> None:
-    """Wait for ``work`` up to ``timeout``; a timeout or a lost peer is an error naming both ranks and ``what``."""
+def wait_for(work: Work, *, rank: int, peer: int, what: str, timeout: float, sending: bool) -> None:
+    """Wait for ``work`` up to ``timeout`` seconds; a timeout or a lost peer is an error naming both ranks and
+    ``what``."""
     verb, direction = ("sending", "to") if sending else ("waiting for", "from")
     try:
         finished = work.wait(timeout)
@@ -57,7 +51,7 @@ def wait_for(work: Work, *, rank: int, peer: int, what: str, timeout: timedelta,
         text = first_line(err)
         if timed_out(err):
             raise CommTimeoutError(
-                f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer} "
+                f"rank {rank} timed out after {timeout:g} s {verb} {what} {direction} rank {peer} "
                 f"({text}); the peer may have hung or be waiting on something else",
                 rank=rank,
                 peer=peer,
@@ -68,7 +62,7 @@ def wait_for(work: Work, *, rank: int, peer: int, what: str, timeout: timedelta,
         ) from err
     if finished is False:
         raise CommTimeoutError(
-            f"rank {rank} timed out after {timeout.total_seconds():g} s {verb} {what} {direction} rank {peer}",
+            f"rank {rank} timed out after {timeout:g} s {verb} {what} {direction} rank {peer}",
             rank=rank,
             peer=peer,
             what=what,

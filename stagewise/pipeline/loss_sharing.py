@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from stagewise.comm import PipelineMesh, Transport, named_collective
-from stagewise.comm.waits import wait_for
 from stagewise.pipeline.data_parallel import combine_losses
-
-SHARING = 2
-"""The transport stream that carries what one rank tells the rest of its pipeline (after activations, gradients)."""
 
 
 @dataclass(frozen=True)
@@ -91,33 +86,15 @@ def share_count(count: int, *, sharing: Sharing, first: int) -> int:
 
 
 def along_pipeline(
-    packet: torch.Tensor, source: int, *, mesh: PipelineMesh, transport: Transport | None, what: str
+    packet: torch.Tensor, source: int, *, mesh: PipelineMesh, transport: Transport, what: str
 ) -> torch.Tensor:
-    """``packet`` as rank ``source`` has it, on every rank of this replica's pipeline.
+    """``packet`` as rank ``source`` has it, on every rank of this replica's pipeline (in place).
 
-    Where ``transport`` carries its messages through shared memory, ``source``
-    sends it to each other rank on the :data:`SHARING` stream, without waiting
-    (the transport waits for its sends at the end of the next step): no gloo
-    thread has to wake on either side, which cost a small pipeline up to 2 ms a
-    step. Otherwise it is a broadcast over the pipeline's process group. Either
-    way the wait is bounded by the transport's timeout (the pipeline's), and a
-    timeout or a lost peer is named after ``what``.
+    The transport carries it as its wire does best (:meth:`Transport.broadcast_along`): through shared memory, a
+    message from ``source`` to each other rank, which wakes no gloo thread on either side (that cost a small
+    pipeline up to 2 ms a step); over a process group, a broadcast over the pipeline's. Either way the wait is
+    bounded by the transport's timeout (the pipeline's), and a timeout or a lost peer is named after ``what``.
     """
-    if mesh.layout.pp == 1:
-        return packet
-    if transport is None or transport.wire is None:
-        # Bounded as the transport's waits are (the pipeline's timeout), not by the process group's.
-        timeout = transport.timeout if transport is not None else timedelta(seconds=mesh.timeout)
-        work = dist.broadcast(packet, src=source, group=mesh.pp_group, async_op=True)
-        sending = mesh.rank == source
-        peer = next(r for r in mesh.layout.pipeline_ranks(mesh.replica) if r != source) if sending else source
-        wait_for(work, rank=mesh.rank, peer=peer, what=what, timeout=timeout, sending=sending)
-        return packet
-    if mesh.rank != source:
-        received = transport.recv(source, what=what, stream=SHARING)
-        assert isinstance(received, torch.Tensor)  # the source sent one tensor
-        return received
-    for rank in mesh.layout.pipeline_ranks(mesh.replica):
-        if rank != source:
-            transport.send(packet, rank, what=what, stream=SHARING)
+    if mesh.layout.pp > 1:
+        transport.broadcast_along(mesh.pp_group, source, packet, what=what)
     return packet

@@ -16,7 +16,7 @@ from support.multiproc import run_ranks
 
 from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh
 from stagewise.comm import shared_memory as shm_module
-from stagewise.comm.shared_memory import connect_shared_memory
+from stagewise.comm.shared_memory import SharedMemoryWire, connect_shared_memory
 
 SIZES = [1, 3, 17, 4096, 4097, 70_000, 5 * 2**20 // 4]  # float32 elements: below, at and above segment sizes
 
@@ -118,7 +118,7 @@ def transport_round_trip(shared_memory: bool | None, hide: bool) -> tuple[bool, 
         back = transport.recv(0, what="x")
         transport.send(back, 0, what="back")
     transport.wait_sends()
-    used = transport.wire is not None
+    used = isinstance(transport.wire, SharedMemoryWire)
     transport.close()
     return used, bool(torch.equal(back, x.detach())) and back.requires_grad
 
@@ -158,7 +158,7 @@ def test_insisting_on_shared_memory_where_it_cannot_be_says_why() -> None:
 def stall_then_die(report: str) -> None:
     init_mesh(2, timeout=60)
     transport = Transport(timeout=1.0, dedicated=True)
-    assert transport.wire is not None
+    assert isinstance(transport.wire, SharedMemoryWire)
     dist.barrier()
     if dist.get_rank() == 1:
         if os.fork() == 0:  # a data loader's worker, say: it inherits the pipes and must not keep them open
@@ -226,7 +226,7 @@ def unreceived() -> str:
     """Rank 0 sends a message rank 1 never receives; both leave normally, without closing their transports."""
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30, dedicated=True)
-    assert transport.wire is not None
+    assert isinstance(transport.wire, SharedMemoryWire)
     if dist.get_rank() == 0:
         transport.send(torch.zeros(1000), 1, what="x")
     dist.barrier()
@@ -259,3 +259,35 @@ def child_exits() -> bool:
 
 def test_a_forked_child_that_exits_leaves_its_parents_segments_alone() -> None:
     assert run_ranks(child_exits, 2) == {0: True, 1: True}
+
+
+def killed_with_a_segment_left(report: str) -> None:
+    """Rank 0 sends a message rank 1 never receives; then both are killed, so no exit function of theirs runs."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True)
+    assert isinstance(transport.wire, SharedMemoryWire)
+    if dist.get_rank() == 0:
+        transport.send(torch.zeros(1000), 1, what="x")
+        Path(report).write_text(str(transport.wire.folder))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def a_later_start() -> bool:
+    """A new job's transport: its wire's start removes what processes that are gone left."""
+    init_mesh(2, timeout=30)
+    transport = Transport(timeout=30, dedicated=True)
+    used = isinstance(transport.wire, SharedMemoryWire)
+    transport.close()
+    return used
+
+
+def test_what_a_killed_process_left_in_shared_memory_goes_at_the_next_start(tmp_path: Path) -> None:
+    report = tmp_path / "folder.txt"
+    with pytest.raises(LaunchError):
+        run_ranks(killed_with_a_segment_left, 2, str(report), timeout=60)
+    folder = Path(report.read_text())
+    left = sorted(folder.parent.glob(f"{folder.name}*"))
+    assert left, "SIGKILL runs no exit function: the unreceived segment is still there"
+    assert run_ranks(a_later_start, 2) == {0: True, 1: True}
+    assert [path.name for path in left if path.exists()] == []

@@ -1,8 +1,7 @@
-"""Point-to-point transfer of activations and gradients, with metadata sent only when it changes."""
+"""Transport: payloads between a rank and its pipeline neighbours, with metadata sent only when it changes."""
 
 from __future__ import annotations
 
-import logging
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -11,13 +10,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from stagewise.comm.channel import Channel
 from stagewise.comm.meta import TensorMeta, encode
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors, has_bytes
-from stagewise.comm.receiving import Channel, Receiving
-from stagewise.comm.shared_memory import SharedMemoryWire, connect_shared_memory
-from stagewise.comm.waits import Pending, Work, seconds, wait_for
-
-log = logging.getLogger(__name__)
+from stagewise.comm.process_group_wire import ProcessGroupWire
+from stagewise.comm.receiving import Receiving
+from stagewise.comm.shared_memory import connect_shared_memory
+from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
+from stagewise.comm.waits import Pending, Work, wait_for
+from stagewise.comm.wire import Op, Wire
 
 _POOL_DEPTH = 4  # buffers kept per (dtype, shape); more are left to the allocator
 _POOL_SHAPES = 8  # (dtype, shape) pairs kept, the most recently released; older ones are dropped
@@ -35,38 +36,42 @@ class Transport:
     payload's layout once and again only when it changes, so variable
     sequence lengths work.
 
-    Under gloo, a stream whose last two messages had the same layout, with
-    some bytes of data, turns steady: the receiver posts the data receive, in
-    the layout it knows, together with the control word's, so a steady stream
-    adds no round trip before its data. When the layout changes, the sender sends the control
+    On a wire that keeps tags apart (gloo, shared memory), a stream whose
+    last two messages had the same layout, with some bytes of data, turns
+    steady: the receiver posts the data receive, in the layout it knows,
+    together with the control word's, so a steady stream adds no round trip
+    before its data. When the layout changes, the sender sends the control
     word and the metadata, then a stand-in of the old layout to complete the
     posted data receive, then the new data; the stream is no longer steady
     until two messages agree again.
 
     A transport carries ``streams`` independent streams between each pair of
-    ranks (a pipeline's activations and gradients), each in order. Gloo keeps
-    them apart by tag; NCCL ignores tags and matches the messages between
-    two ranks in the order both post them, so where the backend is not gloo
-    (or with ``separate_streams=True``) each stream gets a process group of
-    its own, created collectively like ``dedicated``'s.
+    ranks (a pipeline's activations and gradients), each in order, and
+    :meth:`broadcast_along` besides, which needs no stream of the caller's.
+    Where the backend is not gloo (NCCL ignores tags), or with
+    ``separate_streams=True``, each stream gets a process group of its own
+    (see :class:`~stagewise.comm.process_group_wire.ProcessGroupWire`).
 
     With ``dedicated=True`` (gloo), the transport creates a process group of
     its own over ``group``'s ranks, collectively (every rank of the default
     group must construct it, in the same order), and steady messages are the
     data alone, as raw ``send``/``recv`` would send them: the receiver keeps
     one control receive posted for the next change, which on a group of its
-    own can take no one else's message. Gloo delivers the messages between
-    two ranks in the order they were posted, so a stand-in never completes
-    before its control word has landed: after each steady data receive the
-    receiver reads the standing control buffer to learn whether it got data
-    or a stand-in.
+    own can take no one else's message. Messages between two ranks arrive in
+    the order they were posted, so a stand-in never completes before its
+    control word has landed: after each steady data receive the receiver
+    reads the standing control buffer to learn whether it got data or a
+    stand-in.
 
-    A dedicated transport on the CPU whose ranks share memory (one host, and
-    ``/dev/shm`` visible to all) carries its messages through shared memory
-    instead (:class:`~stagewise.comm.shared_memory.SharedMemoryWire`): the same
+    The transport owns its wire (:class:`~stagewise.comm.wire.Wire`), which
+    its callers never need to know. A dedicated transport on the CPU whose
+    ranks share memory (one host, and ``/dev/shm`` visible to all) carries
+    its messages through shared memory
+    (:class:`~stagewise.comm.shared_memory.SharedMemoryWire`): the same
     protocol, with no gloo threads or sockets in the way. ``shared_memory``
     None does so where it can (unless the environment variable
-    ``STAGEWISE_SHARED_MEMORY`` is ``0``), True insists, False keeps gloo.
+    ``STAGEWISE_SHARED_MEMORY`` is ``0``), True insists, False keeps the
+    process group (:class:`~stagewise.comm.process_group_wire.ProcessGroupWire`).
 
     Received tensors that required grad on the sender require grad here; integer
     and boolean tensors never do. ``release`` hands received tensors back for
@@ -75,7 +80,7 @@ class Transport:
     waited for, by its own :meth:`Pending.wait` or by :meth:`wait_sends`;
     call one of them once per step or so.
 
-    Every wait is bounded by ``timeout``; a timeout raises :class:`CommTimeoutError`,
+    Every wait is bounded by ``timeout`` seconds; a timeout raises :class:`CommTimeoutError`,
     a dead peer :class:`PeerGoneError`, each naming this rank, the peer and what
     was awaited. Messages between two ranks on one stream must be received in
     the order they are sent.
@@ -86,7 +91,7 @@ class Transport:
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str = "cpu",
-        timeout: float | timedelta = 300.0,
+        timeout: float = DEFAULT_TIMEOUT,
         dedicated: bool = False,
         streams: int = 1,
         separate_streams: bool | None = None,
@@ -97,11 +102,11 @@ class Transport:
         if isinstance(streams, bool) or not isinstance(streams, int) or streams < 1:
             raise ValueError(f"streams must be an int >= 1, got {streams!r}")
         self.device = torch.device(device)
-        self.timeout = seconds(timeout)
+        self.timeout = checked_timeout(timeout)
+        """Seconds each wait may last."""
         self.rank = dist.get_rank()
         backend = dist.get_backend(group)
-        self.speculate = backend == "gloo"
-        self.standing = dedicated and self.speculate
+        self.standing = dedicated and backend == "gloo"
         """Steady streams drop their control words (gloo, on a group of this transport's own)."""
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self._peers = frozenset(range(dist.get_world_size()) if ranks is None else ranks)
@@ -112,30 +117,21 @@ class Transport:
                 f"dedicated={dedicated} on {self.device} over {backend}"
             )
         if self.standing:
-            group = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+            group = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout), backend="gloo")
         self.group = group
-        self.wire: SharedMemoryWire | None = None
-        """The shared-memory wire that carries the messages, or None: the process group does."""
         wanted = os.environ.get("STAGEWISE_SHARED_MEMORY", "1") != "0" if shared_memory is None else shared_memory
-        if eligible and wanted:
-            assert group is not None
-            self.wire = connect_shared_memory(group, self.rank)
-            if self.wire is None and shared_memory:
-                dist.destroy_process_group(group)
-                raise RuntimeError(
-                    f"rank {self.rank}: shared_memory=True, but not every rank of the transport can reach the "
-                    "others' shared memory (other hosts, or containers that do not share /dev/shm); pass "
-                    "shared_memory=None to fall back to gloo"
-                )
-        self.streams = streams
-        separate = streams > 1 and (not self.speculate if separate_streams is None else separate_streams)
-        self._stream_groups: list[dist.ProcessGroup | None] = (
-            [dist.new_group(ranks, timeout=self.timeout, backend=backend) for _ in range(streams)] if separate else []
+        shared = self._shared_memory(insist=bool(shared_memory)) if eligible and wanted else None
+        self.wire: Wire = (
+            shared
+            if shared is not None
+            else ProcessGroupWire(group, streams=streams, separate=separate_streams, timeout=self.timeout)
         )
-        """With separate streams, each stream's own group: tags then tell only a control word from data."""
-        self._coalesces = not self.speculate
+        """What carries the messages: shared memory between ranks of one host, or the process group."""
+        self.speculate = self.wire.matches_tags
+        """The wire keeps tags apart: a steady stream's data receive is posted with its control word's."""
+        self.streams = streams
         self._sent: dict[tuple[int, int], Channel] = {}
-        self._received: dict[tuple[int, int], Channel] = {}
+        self._channels: dict[tuple[int, int], Channel] = {}
         self._pool: OrderedDict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = OrderedDict()
         self._in_flight: list[Pending] = []
         self._prune_at = _PRUNE_AT
@@ -144,15 +140,33 @@ class Transport:
         self._sending: Counter[int] = Counter()
         """Storages that sends in flight read, with how many sends read each (see :meth:`release`)."""
 
-    def _ops(self, fn: object, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[dist.P2POp]:
-        group = self.group
-        if self._stream_groups:
-            group, tag = self._stream_groups[tag // 2], tag % 2
-        return [dist.P2POp(fn, t, peer, group, tag) for t in tensors if t.numel()]  # type: ignore[arg-type]
+    def _shared_memory(self, *, insist: bool) -> Wire | None:
+        """A shared-memory wire over this transport's own group (collective), or None where some rank cannot
+        reach the others' shared memory (an error when ``insist``)."""
+        assert self.group is not None
+        wire = connect_shared_memory(self.group, self.rank)
+        if wire is None and insist:
+            dist.destroy_process_group(self.group)
+            raise RuntimeError(
+                f"rank {self.rank}: shared_memory=True, but not every rank of the transport can reach the "
+                "others' shared memory (other hosts, or containers that do not share /dev/shm); pass "
+                "shared_memory=None to fall back to gloo"
+            )
+        return wire
 
-    def _check_peer(self, peer: int) -> None:
+    def _ops(self, send: bool, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[Op]:
+        return [Op(send, t, peer, tag) for t in tensors if t.numel()]
+
+    def _post(self, ops: list[Op]) -> list[Work]:
+        """Post ``ops`` in order on the wire."""
+        return self.wire.post(ops) if ops else []
+
+    def _check_open(self, peer: object) -> None:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}'s transport is closed; make a new one to exchange with {peer!r}")
+
+    def _check_peer(self, peer: int) -> None:
+        self._check_open(peer)
         if isinstance(peer, bool) or not isinstance(peer, int) or peer == self.rank or peer not in self._peers:
             raise ValueError(
                 f"rank {self.rank} cannot exchange with {peer!r}: a peer is another rank of this transport's group "
@@ -165,17 +179,6 @@ class Transport:
                 f"stream {stream} is not one of this transport's {self.streams}; "
                 f"use 0 .. {self.streams - 1}, or create the Transport with streams={stream + 1}"
             )
-
-    def _post(self, ops: list[dist.P2POp]) -> list[Work]:
-        """Post ``ops`` in order: one coalesced batch where the backend batches (NCCL), else one by one."""
-        if not ops:
-            return []
-        wire = self.wire
-        if wire is not None:
-            return [(wire.isend if op.op is dist.isend else wire.irecv)(op.tensor, op.peer, op.tag) for op in ops]
-        if self._coalesces:
-            return list(dist.batch_isend_irecv(ops))
-        return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]  # what batch_isend_irecv does for gloo
 
     def send(self, payload: Payload, to: int, *, what: str, stream: int = 0, known: bool = False) -> Pending:
         """Post ``payload`` to rank ``to`` without waiting; returns the sends in flight.
@@ -192,7 +195,7 @@ class Transport:
         # resolved, as the wire needs plain memory.
         data = [t.detach().resolve_conj().resolve_neg().to(self.device).contiguous() for t in tensors]
         if known:
-            return self._start(self._ops(dist.isend, data, to, 2 * stream + 1), to, what, data)
+            return self._start(self._post(self._ops(True, data, to, 2 * stream + 1)), to, what, data)
         layout: PayloadLayout = (is_tuple, tuple(TensorMeta.of(t) for t in tensors))
         channel = self._sent.setdefault((to, stream), Channel())
         channel.count += 1
@@ -208,17 +211,18 @@ class Transport:
             # The receiver has posted a receive of the old layout: complete it with a stand-in first.
             assert channel.layout is not None
             data = [m.empty(self.device).zero_() for m in channel.layout[1]] + data
-        ops = self._ops(dist.isend, control, to, 2 * stream) + self._ops(dist.isend, data, to, 2 * stream + 1)
+        ops = self._ops(True, control, to, 2 * stream) + self._ops(True, data, to, 2 * stream + 1)
         channel.stable = same and has_bytes(layout)  # a zero-byte stream has no data to wait on: never steady
         channel.layout = layout
-        return self._start(ops, to, what, control + data)
+        return self._start(self._post(ops), to, what, control + data)
 
     def _word(self, number: int, words: int) -> torch.Tensor:
         """A control word: the message's number, and the length of the metadata that follows (0: none)."""
         return torch.tensor([number, words], dtype=torch.int64, device=self.device)
 
-    def _start(self, ops: list[dist.P2POp], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
-        pending = Pending(self._post(ops), self.rank, to, what, self.timeout, keep, done=self._sent_off)
+    def _start(self, works: list[Work], to: int, what: str, keep: list[torch.Tensor]) -> Pending:
+        """Sends posted: kept in flight, with their tensors, until waited for."""
+        pending = Pending(works, self.rank, to, what, self.timeout, keep, done=self._sent_off)
         for t in keep:
             self._sending[t.untyped_storage().data_ptr()] += 1
         if len(self._in_flight) >= self._prune_at:
@@ -238,19 +242,51 @@ class Transport:
             if self._sending[key] <= 0:
                 del self._sending[key]
 
+    def broadcast_along(self, group: dist.ProcessGroup, source: int, tensor: torch.Tensor, *, what: str) -> None:
+        """Fill ``tensor`` with rank ``source``'s on every rank of ``group``, a process group over exactly the
+        ranks to reach (all of them this transport's), each of which calls this with a contiguous tensor of the
+        same dtype and shape on the transport's device.
+
+        The wire decides how it travels: through shared memory, a message from
+        ``source`` to each rank, which wakes no gloo thread on either side;
+        over a process group, torch's broadcast over ``group``. On ``source`` the
+        sends stay in flight, waited for with the others (:meth:`wait_sends`);
+        elsewhere the wait is bounded by the timeout, and a timeout or a lost
+        peer is named after ``what``.
+        """
+        self._check_open(source)
+        ranks = dist.get_process_group_ranks(group)
+        if self.rank not in ranks or source not in ranks or not self._peers.issuperset(ranks):
+            raise ValueError(
+                f"rank {self.rank} cannot broadcast from rank {source} over ranks {ranks}: the group must hold "
+                f"this rank and the source, all of them ranks of this transport's group ({sorted(self._peers)})"
+            )
+        if tensor.device != self.device or not tensor.is_contiguous():
+            raise ValueError(
+                f"broadcast_along needs a contiguous tensor on the transport's device ({self.device}), got one on "
+                f"{tensor.device}{'' if tensor.is_contiguous() else ', not contiguous'}; pass tensor.contiguous()"
+            )
+        if len(ranks) == 1:
+            return
+        for peer, work in self.wire.broadcast(tensor, source, group):
+            if self.rank == source:
+                self._start([work], peer, what, [tensor])
+            else:
+                wait_for(work, rank=self.rank, peer=peer, what=what, timeout=self.timeout, sending=False)
+
     def close(self, *, wait: bool = True) -> None:
-        """Destroy the process groups this transport made (``dedicated``, per-stream), with their threads and
-        sockets, after waiting for the sends in flight (``wait=False``: dropping them, as after an error); it
-        sends and receives nothing after. Closing again does nothing."""
+        """Close the wire and destroy the process groups this transport made (``dedicated``, per-stream), with
+        their threads and sockets, after waiting for the sends in flight (``wait=False``: dropping them, as after
+        an error); it sends and receives nothing after. Closing again does nothing."""
         if self._closed:
             return
-        own = [*self._stream_groups, *([self.group] if self.standing and self.group is not None else [])]
-        if self._receiving and (wait or not own):
+        exclusive = self.standing or self.wire.exclusive
+        if self._receiving and (wait or not exclusive):
             # On a group it does not own, a posted receive would outlive the transport and take another's message.
             posted = ", ".join(f"rank {src} (stream {stream})" for src, stream in sorted(self._receiving))
             drop = (
                 "or close(wait=False) to drop them (after an error: their data is lost)"
-                if own
+                if exclusive
                 else "on a group this transport does not own they cannot be dropped"
             )
             raise RuntimeError(
@@ -263,12 +299,9 @@ class Transport:
                 self.wait_sends()
         finally:
             self._in_flight = []
-            self._stream_groups = []
-            if self.standing:
-                self.group = None  # the group's threads and sockets go with the last reference to it
-            if self.wire is not None:
-                self.wire.close()
-            for group in own:
+            self.wire.close()
+            if self.standing and self.group is not None:
+                group, self.group = self.group, None  # its threads and sockets go with the last reference to it
                 dist.destroy_process_group(group)
 
     def wait_sends(self) -> None:
@@ -301,8 +334,16 @@ class Transport:
         self._receiving.add(key)
         return handle
 
+    # What a Receiving asks of its transport (see receiving.Receiver).
+
+    def _channel_from(self, src: int, stream: int) -> Channel:
+        return self._channels.setdefault((src, stream), Channel())
+
+    def _received(self, src: int, stream: int) -> None:
+        self._receiving.discard((src, stream))
+
     def _receive(self, tensors: Sequence[torch.Tensor], src: int, tag: int, what: str) -> None:
-        self._wait_all(self._post(self._ops(dist.irecv, tensors, src, tag)), src, what)
+        self._wait_all(self._post(self._ops(False, tensors, src, tag)), src, what)
 
     def _wait_all(self, works: Sequence[Work], src: int, what: str) -> None:
         for work in works:
