@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+
 from stagewise.pipeline import LossReduction, WeightGradientFusion
 from support.chains import Chain
 
@@ -33,3 +36,7 @@ class Case:
     """Clip the gradients' global norm after each step."""
     reduction: LossReduction = "mean"
     """How the loss reduces over a batch."""
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean squared error, reduced as :attr:`reduction` says."""
+        return F.mse_loss(output, target, reduction=self.reduction)
