@@ -1,20 +1,22 @@
-"""Split a chain of layers, or a traced model, into pipeline stages: exact, balanced, memory-aware (pure)."""
+"""Split a chain of layers, or a captured model, into pipeline stages: exact, balanced, memory-aware (pure)."""
 
 from stagewise.partition.auto import By, auto, balance_costs, params_of
 from stagewise.partition.balance import CapacityError, balance
-from stagewise.partition.capture import Segment, TracedChain, repeated_blocks, trace
-from stagewise.partition.graph import TraceError
+from stagewise.partition.capture import CapturedChain, capture, repeated_blocks
+from stagewise.partition.graph import CaptureError
 from stagewise.partition.layers import (
     CHAIN_ATTRIBUTE,
     LAYERS_METHOD,
     Layer,
+    Payload,
     SharedParameter,
     layers_of,
     shared_parameters,
 )
 from stagewise.partition.live_bytes import LiveBytes
 from stagewise.partition.memory import MemoryModel, MemorySchedule, in_flight, memory_model
-from stagewise.partition.profile import LayerCost, Payload, profile
+from stagewise.partition.profile import LayerCost, profile
+from stagewise.partition.segment import Segment
 from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
 
@@ -23,6 +25,8 @@ __all__ = [
     "LAYERS_METHOD",
     "By",
     "CapacityError",
+    "CaptureError",
+    "CapturedChain",
     "Layer",
     "LayerCost",
     "LiveBytes",
@@ -33,11 +37,10 @@ __all__ = [
     "Segment",
     "SharedParameter",
     "Tie",
-    "TraceError",
-    "TracedChain",
     "auto",
     "balance",
     "balance_costs",
+    "capture",
     "in_flight",
     "layers_of",
     "memory_model",
@@ -45,5 +48,4 @@ __all__ = [
     "profile",
     "repeated_blocks",
     "shared_parameters",
-    "trace",
 ]

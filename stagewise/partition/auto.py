@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from stagewise.partition.balance import Weights, balance
-from stagewise.partition.layers import Layer, SharedParameter, layers_of, shared_parameters
+from stagewise.partition.layers import Layer, Payload, SharedParameter, layers_of, shared_parameters
 from stagewise.partition.memory import MemorySchedule, memory_model
-from stagewise.partition.profile import LayerCost, Payload, profile
+from stagewise.partition.profile import LayerCost, profile
 from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
 from stagewise.schedule import Holding

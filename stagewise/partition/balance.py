@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from stagewise.partition.memory import MemoryModel
+from stagewise.partition.range_cost import FloatArray, RangeCost
 from stagewise.partition.shared_cost import Tie, check_ties
-from stagewise.partition.solver import FloatArray, RangeCost, SplitProblem, solve
+from stagewise.partition.solver import SplitProblem, solve
 from stagewise.partition.split import Partition
 from stagewise.schedule import Holding
 from stagewise.units import format_bytes
@@ -217,55 +218,20 @@ def balance(
         ValueError: bad counts, lengths or values (the message names them).
         CapacityError: no split fits the capacities; names the layer or stage.
     """
-    if isinstance(n_stages, bool) or not isinstance(n_stages, (int, np.integer)):
-        raise TypeError(f"n_stages must be an int, got {type(n_stages).__name__}")
-    n_stages = int(n_stages)
-    if n_stages < 1:
-        raise ValueError(f"n_stages must be >= 1, got {n_stages}")
-    weight_model = weights if isinstance(weights, MemoryModel) else None
-    w = (
-        np.asarray(weight_model.fixed, dtype=np.float64)
-        if weight_model is not None
-        else _vector("weights", weights, length=None)  # type: ignore[arg-type]
-    )
+    n_stages = _stage_count(n_stages)
+    w, total, weight_model = _layer_weights(weights)
     n = len(w)
-    if n == 0:
-        raise ValueError("there are no layers to split (weights is empty); give one weight per layer")
-    with np.errstate(over="ignore"):
-        total = float(w.sum())
-    if not math.isfinite(total):
-        raise ValueError(f"weights sum to {total!r}, which overflows float64; scale them down")
     if n_stages > n:
         raise ValueError(f"cannot split {n} layers into {n_stages} non-empty stages; use n_stages <= {n}")
     if names is not None and len(names) != n:
         raise ValueError(f"names has {len(names)} entries but there are {n} layers; give one name per layer")
     s = np.ones(n_stages) if speeds is None else _vector("speeds", speeds, length=n_stages, positive=True)
     _check_range(w, total, s)
-
-    if weight_model is not None:
-        if ties:
-            raise ValueError("ties were given beside a MemoryModel as weights; put them in the model's ties instead")
-        _check_model("weights", weight_model, n, n_stages)
-        load_cost = _memory_cost(weight_model)
-    else:
-        load_cost = RangeCost.of_layers(w, n_stages, ties=check_ties("ties", ties, w.tolist()))
+    load_cost = _load_cost(w, weight_model, ties, n_stages)
     # Same sums, divided by each stage's speed: a stage's time is bit-for-bit load / speed.
     objective = dataclasses.replace(load_cost, divisor=s)
-
-    model: MemoryModel | None
-    if memory is None:
-        model = None
-    elif isinstance(memory, MemoryModel):
-        _check_model("memory", memory, n, n_stages)
-        model = memory
-    else:
-        fixed = _vector("memory", memory, length=n)
-        model = MemoryModel(tuple(fixed.tolist()), (0.0,) * n, (1,) * n_stages)
-    caps: FloatArray | None = None
-    if capacities is not None:
-        if model is None:
-            raise ValueError("capacities were given without memory; pass memory= (per-layer bytes or a MemoryModel)")
-        caps = _vector("capacities", capacities, length=n_stages, positive=True)
+    model = _memory_model(memory, n, n_stages)
+    caps = _capacities(capacities, model, n_stages)
     constraint = _memory_cost(model) if model is not None else None
     for field, cost in (("weights", load_cost), ("memory", constraint)):
         _check_finite(field, cost, n)
@@ -275,16 +241,87 @@ def balance(
         assert model is not None and caps is not None
         raise _explain_overflow(model, caps, names)
     b = solution.bounds
-    part = Partition(
+    part = _partition(b, load_cost, s, constraint, caps, names)
+    log.debug("balanced %d layers into %d stages: bounds %s, bottleneck %.6g", n, n_stages, b, part.bottleneck)
+    return part
+
+
+def _partition(
+    b: tuple[int, ...],
+    load_cost: RangeCost,
+    speeds: FloatArray,
+    constraint: RangeCost | None,
+    caps: FloatArray | None,
+    names: Sequence[str] | None,
+) -> Partition:
+    """The split at bounds ``b``, with each stage's load and memory by the same formulas the solver compared."""
+    n_stages = len(b) - 1
+    return Partition(
         bounds=b,
         loads=tuple(load_cost.of(j, b[j], b[j + 1]) for j in range(n_stages)),
-        speeds=tuple(float(x) for x in s),
+        speeds=tuple(float(x) for x in speeds),
         memory=None if constraint is None else tuple(constraint.of(j, b[j], b[j + 1]) for j in range(n_stages)),
         capacities=None if caps is None else tuple(float(c) for c in caps),
         names=None if names is None else tuple(names),
     )
-    log.debug("balanced %d layers into %d stages: bounds %s, bottleneck %.6g", n, n_stages, b, part.bottleneck)
-    return part
+
+
+def _stage_count(n_stages: object) -> int:
+    """``n_stages`` as an int, refused unless it is an integer >= 1."""
+    if isinstance(n_stages, bool) or not isinstance(n_stages, (int, np.integer)):
+        raise TypeError(f"n_stages must be an int, got {type(n_stages).__name__}")
+    count = int(n_stages)
+    if count < 1:
+        raise ValueError(f"n_stages must be >= 1, got {count}")
+    return count
+
+
+def _layer_weights(weights: Weights | MemoryModel) -> tuple[FloatArray, float, MemoryModel | None]:
+    """Each layer's weight (a :class:`MemoryModel`'s fixed bytes), their sum, and the model when ``weights`` is
+    one; refused when empty or when they sum past float64."""
+    weight_model = weights if isinstance(weights, MemoryModel) else None
+    w = (
+        np.asarray(weight_model.fixed, dtype=np.float64)
+        if weight_model is not None
+        else _vector("weights", weights, length=None)  # type: ignore[arg-type]
+    )
+    if len(w) == 0:
+        raise ValueError("there are no layers to split (weights is empty); give one weight per layer")
+    with np.errstate(over="ignore"):
+        total = float(w.sum())
+    if not math.isfinite(total):
+        raise ValueError(f"weights sum to {total!r}, which overflows float64; scale them down")
+    return w, total, weight_model
+
+
+def _load_cost(w: FloatArray, weight_model: MemoryModel | None, ties: Sequence[Tie], n_stages: int) -> RangeCost:
+    """What a stage's layers weigh: ``w`` summed, each tie once; or the memory ``weight_model`` holds."""
+    if weight_model is None:
+        return RangeCost.of_layers(w, n_stages, ties=check_ties("ties", ties, w.tolist()))
+    if ties:
+        raise ValueError("ties were given beside a MemoryModel as weights; put them in the model's ties instead")
+    _check_model("weights", weight_model, len(w), n_stages)
+    return _memory_cost(weight_model)
+
+
+def _memory_model(memory: Weights | MemoryModel | None, n_layers: int, n_stages: int) -> MemoryModel | None:
+    """``memory`` as a checked :class:`MemoryModel`: per-layer bytes become one that holds them once."""
+    if memory is None:
+        return None
+    if isinstance(memory, MemoryModel):
+        _check_model("memory", memory, n_layers, n_stages)
+        return memory
+    fixed = _vector("memory", memory, length=n_layers)
+    return MemoryModel(tuple(fixed.tolist()), (0.0,) * n_layers, (1,) * n_stages)
+
+
+def _capacities(capacities: Weights | None, model: MemoryModel | None, n_stages: int) -> FloatArray | None:
+    """The per-stage capacities, positive; refused without a memory model to hold them against."""
+    if capacities is None:
+        return None
+    if model is None:
+        raise ValueError("capacities were given without memory; pass memory= (per-layer bytes or a MemoryModel)")
+    return _vector("capacities", capacities, length=n_stages, positive=True)
 
 
 def _check_finite(field: str, cost: RangeCost | None, n_layers: int) -> None:

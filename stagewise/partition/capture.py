@@ -1,22 +1,22 @@
-"""trace(): a model that is not a chain, captured by torch.export and cut at its repeated blocks into a chain."""
+"""capture(): a model that is not a chain, captured by torch.export and cut at its repeated blocks into a chain."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # torch.export imports dynamo: seconds, paid only when tracing
+if TYPE_CHECKING:  # torch.export imports dynamo: seconds, paid only when capturing
     from torch.export import ExportedProgram
 
-from stagewise.partition.graph import SegmentGraph, TraceError, cut, variant
-from stagewise.partition.layers import CHAIN_ATTRIBUTE, Layer, shared_parameters
-from stagewise.partition.profile import Payload
+from stagewise.partition.graph import CaptureError, SegmentGraph, cut
+from stagewise.partition.layers import CHAIN_ATTRIBUTE, Layer, Payload, shared_parameters
+from stagewise.partition.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -43,176 +43,10 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     return found
 
 
-@dataclass
-class _Refs:
-    """Where a segment finds its state, in the order its graph takes it, resolved at each call."""
-
-    holders: list[tuple[nn.Module | None, str]]
-    """(module, attribute) of each parameter or buffer; (None, name) for a tensor constant of the graph."""
-    constants: dict[str, torch.Tensor]
-    """The graph's tensor constants, by name; moved to the device of each call."""
-
-
-class Segment(nn.Module):
-    """One piece of a traced model: a pure graph of aten ops plus the modules whose tensors it reads.
-
-    Its parameters are named as in the traced model (``blocks.3.attn.qkv.weight``):
-    the modules it reads wholly are registered at their paths, the same
-    objects as in the model, so materialising the segment materialises them.
-    It takes the values the previous segment emits (the model's inputs, for
-    the first) and returns those the next one needs (the model's output, for
-    the last).
-    """
-
-    def __init__(
-        self,
-        name: str,
-        graph: SegmentGraph,
-        model: nn.Module,
-        constants: dict[str, torch.Tensor],
-        *,
-        traced_on: torch.device,
-        traced_training: bool,
-        bare_output: bool,
-    ) -> None:
-        super().__init__()
-        self.segment_name = name
-        self.graph = graph
-        self.traced_on = traced_on
-        self.traced_training = traced_training
-        self.bare_output = bare_output
-        """Return a lone emitted value as a tensor rather than a 1-tuple."""
-        self.record: Callable[[tuple[torch.Tensor, ...], object], None] | None = None
-        """While set (and gradients are on), called with each op's output that reads state, and that state."""
-        self._variants: dict[tuple[torch.device, bool], torch.fx.GraphModule] = {(traced_on, False): graph.module}
-        tensors = [fqn for fqn in graph.state if fqn not in constants]
-        persistent = set(model.state_dict(keep_vars=True))
-        for path in _wholly_read(model, set(tensors)):
-            self._attach(path, model.get_submodule(path))
-        holders: list[tuple[nn.Module | None, str]] = []
-        for fqn in graph.state:
-            if fqn in constants:
-                holders.append((None, fqn))
-                continue
-            parent, _, leaf = fqn.rpartition(".")
-            here = self._find(parent)
-            if here is None or not hasattr(here, leaf):  # read outside any wholly read module
-                owner = model.get_submodule(parent) if parent else model
-                here = self._container(parent)
-                value = getattr(owner, leaf)
-                if isinstance(value, nn.Parameter):
-                    here.register_parameter(leaf, value)
-                else:
-                    here.register_buffer(leaf, value, persistent=fqn in persistent)
-            holders.append((here, leaf))
-        self._refs = _Refs(holders, {fqn: constants[fqn] for fqn in graph.state if fqn in constants})
-        self._mutated = [self._holder_of(fqn) for fqn in graph.mutated]
-
-    def _find(self, path: str) -> nn.Module | None:
-        try:
-            return self.get_submodule(path) if path else self
-        except AttributeError:
-            return None
-
-    def _container(self, path: str) -> nn.Module:
-        here: nn.Module = self
-        for atom in path.split(".") if path else []:
-            nxt = here._modules.get(atom)
-            if nxt is None:
-                nxt = nn.Module()
-                here.add_module(atom, nxt)
-            here = nxt
-        return here
-
-    def _attach(self, path: str, module: nn.Module) -> None:
-        parent, _, leaf = path.rpartition(".")
-        self._container(parent).add_module(leaf, module)
-
-    def _holder_of(self, fqn: str) -> tuple[nn.Module, str]:
-        parent, _, leaf = fqn.rpartition(".")
-        here = self._find(parent)
-        assert here is not None
-        return here, leaf
-
-    def _graph_on(self, device: torch.device, recording: bool) -> torch.fx.GraphModule:
-        key = (device, recording)
-        module = self._variants.get(key)
-        if module is None:
-            extra = [use.node for use in self.graph.uses] if recording else []
-            module = variant(self.graph.module, old=self.traced_on, new=device, also_return=extra)
-            self._variants[key] = module
-        return module
-
-    def _state_device(self) -> torch.device:
-        for module, leaf in self._refs.holders:
-            if module is not None:
-                device: torch.device = getattr(module, leaf).device
-                return device
-        return self.traced_on
-
-    def forward(self, x: Payload) -> Payload:
-        received = (x,) if isinstance(x, torch.Tensor) else tuple(x)
-        if len(received) != self.graph.receives:
-            raise ValueError(
-                f"segment {self.segment_name!r} receives {self.graph.receives} tensors, got {len(received)}; "
-                "call the traced model with the inputs it was traced with"
-            )
-        if self.graph.mode_dependent and self.training != self.traced_training:
-            mode = "training" if self.traced_training else "eval"
-            raise RuntimeError(
-                f"segment {self.segment_name!r} was traced in {mode} mode and contains dropout or batch norm, "
-                f"whose behaviour tracing fixed; trace the model again in the mode you run it in"
-            )
-        device = received[0].device if received else self._state_device()
-        state = [
-            getattr(module, leaf) if module is not None else self._refs.constants[leaf].to(device)
-            for module, leaf in self._refs.holders
-        ]
-        recording = self.record is not None and torch.is_grad_enabled()
-        out = self._graph_on(device, recording)(*state, *received)
-        own = self.graph.emits + len(self._mutated)
-        if self._mutated:
-            with torch.no_grad():
-                for (module, leaf), new in zip(self._mutated, out[self.graph.emits : own], strict=True):
-                    getattr(module, leaf).copy_(new)
-        if recording:
-            assert self.record is not None
-            for use, value in zip(self.graph.uses, out[own:], strict=True):
-                self.record(tuple(state[i] for i in use.state), value)
-        values = tuple(out[: self.graph.emits])
-        return values[0] if len(values) == 1 and self.bare_output else values
-
-
-def _wholly_read(model: nn.Module, read: set[str]) -> list[str]:
-    """The outermost modules (not the model itself) all of whose parameters and buffers are in ``read``."""
-    aliases: dict[int, set[str]] = {}
-    for name, tensor in _named_tensors(model, remove_duplicate=False):
-        aliases.setdefault(id(tensor), set()).add(name)
-    read = {alias for name, tensor in _named_tensors(model) if name in read for alias in aliases[id(tensor)]}
-    chosen: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            path = f"{prefix}.{name}" if prefix else name
-            names = {f"{path}.{n}" for n, _ in _named_tensors(child, remove_duplicate=False)}
-            if names and names <= read:
-                chosen.append(path)
-            elif names & read:
-                visit(path, child)
-
-    visit("", model)
-    return chosen
-
-
-def _named_tensors(module: nn.Module, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(remove_duplicate=remove_duplicate)
-    yield from module.named_buffers(remove_duplicate=remove_duplicate)
-
-
-class TracedChain(nn.Module):
+class CapturedChain(nn.Module):
     """A model that is not a chain, as a chain of :class:`Segment`\\ s cut at its repeated blocks.
 
-    It holds the traced model's modules under their own names, so its
+    It holds the captured model's modules under their own names, so its
     ``state_dict`` is the model's; running it runs the segments one after
     another and equals running the model. :func:`stagewise.partition.layers_of`
     returns its segments, so ``profile``, ``balance``, ``auto``,
@@ -230,14 +64,15 @@ class TracedChain(nn.Module):
         for name, buffer in model.named_buffers(recurse=False):
             self.register_buffer(name, buffer, persistent=name in keys)
         self.source = _Source(model)
-        """The traced model (for ``torch.distributed.pipelining.pipeline()``, which traces it again)."""
+        """The captured model (for ``torch.distributed.pipelining.pipeline()``, which traces it again with its own
+        tracer)."""
         self.segments = list(segments)
 
     def stagewise_layers(self) -> list[Layer]:
         """The segments, as the layers of a chain; each names its parameters in full."""
         return [Layer(s.segment_name, s, prefix="") for s in self.segments]
 
-    def train(self, mode: bool = True) -> TracedChain:
+    def train(self, mode: bool = True) -> CapturedChain:
         super().train(mode)
         for segment in self.segments:
             segment.train(mode)
@@ -251,27 +86,27 @@ class TracedChain(nn.Module):
 
 
 _OWN_NAMES = frozenset(
-    {"segment_name", "graph", "traced_on", "traced_training", "bare_output", "record", "source", "segments"}
-    | {name for cls in (Segment, TracedChain) for name in vars(cls) if not name.startswith("__")}
+    {"segment_name", "graph", "captured_on", "captured_training", "bare_output", "record", "source", "segments"}
+    | {name for cls in (Segment, CapturedChain) for name in vars(cls) if not name.startswith("__")}
 )
-"""Attributes of segments and traced chains, which hold the model's own modules under their names."""
+"""Attributes of segments and captured chains, which hold the model's own modules under their names."""
 
 
 def _check_names(model: nn.Module) -> None:
-    """Refuse a model whose top-level modules or tensors take a name the traced chain's pieces use themselves."""
+    """Refuse a model whose top-level modules or tensors take a name the captured chain's pieces use themselves."""
     top = [name for name, _ in (*model.named_children(), *model.named_parameters(recurse=False))]
     top += [name for name, _ in model.named_buffers(recurse=False)]
     taken = sorted(set(top) & _OWN_NAMES)
     if taken:
-        raise TraceError(
-            f"{type(model).__name__} has attributes named {taken}, which trace() keeps for the segments and the "
+        raise CaptureError(
+            f"{type(model).__name__} has attributes named {taken}, which capture() keeps for the segments and the "
             f"chain it builds; rename them in the model (the segments hold its modules under their own names)"
         )
 
 
 @dataclass(frozen=True)
 class _Source:
-    """The model a chain was traced from, held without registering it as a submodule."""
+    """The model a chain was captured from, held without registering it as a submodule."""
 
     model: nn.Module
 
@@ -321,10 +156,10 @@ def _export(
         ep = torch.export.export(model, args, dynamic_shapes=tuple({0: batch} for _ in args))
     except Exception as err:
         reason = next((line for line in str(err).splitlines() if line.strip()), "")
-        raise TraceError(
+        raise CaptureError(
             f"torch.export could not capture {type(model).__name__}: {type(err).__name__}: {reason}\n"
             "Make its forward traceable (no data-dependent Python control flow, no graph breaks, the batch size "
-            "not fixed in the code), or make it a chain that stagewise splits without tracing: an nn.Sequential, "
+            "not fixed in the code), or make it a chain that stagewise splits without capturing it: an nn.Sequential, "
             f"or a module whose '{CHAIN_ATTRIBUTE}' attribute lists its layers in execution order"
         ) from err
     finally:
@@ -333,7 +168,7 @@ def _export(
     return ep, order
 
 
-def trace(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = None) -> TracedChain:
+def capture(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = None) -> CapturedChain:
     """Capture ``model`` with torch.export and cut it before each of its repeated blocks.
 
     The candidate split points are the beginnings of ``blocks`` (by default
@@ -351,58 +186,88 @@ def trace(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = 
         blocks: paths of the modules to cut before; each must run exactly once per forward.
 
     Raises:
-        TraceError: torch.export cannot capture the model, or its graph cannot be cut (the message says why).
+        CaptureError: torch.export cannot capture the model, or its graph cannot be cut (the message says why).
         ValueError: no blocks found or named, or a block runs more than once.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"trace expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"capture expects an nn.Module, got {type(model).__name__}")
     args = _example(example)
     _check_names(model)
+    ep, order = _export(model, args, _blocks_to_cut(model, blocks))
+    repeated = sorted({n for n in order if order.count(n) > 1})
+    if repeated:
+        raise ValueError(f"blocks {repeated} run more than once per forward; a split point must run exactly once")
+    bare = _returns_one_tensor(model, ep)
+    graphs, names = cut(ep, boundary_names=order)
+    segments = _segments(model, ep, graphs, names, on=args[0].device, bare_output=bare)
+    chain = CapturedChain(model, segments)
+    chain.train(model.training)  # in the mode it was captured in, as the model was
+    _report(model, chain)
+    return chain
+
+
+def _blocks_to_cut(model: nn.Module, blocks: Sequence[str] | None) -> list[str]:
+    """The blocks named, or else the model's repeated blocks; refused when there are none."""
     names = list(blocks) if blocks is not None else repeated_blocks(model)
     if not names:
         raise ValueError(
             f"{type(model).__name__} has no repeated blocks (an nn.ModuleList or nn.Sequential of at least two "
             "modules of one class) to cut before; name the modules to cut before with blocks=[...]"
         )
-    ep, order = _export(model, args, names)
-    repeated = sorted({n for n in order if order.count(n) > 1})
-    if repeated:
-        raise ValueError(f"blocks {repeated} run more than once per forward; a split point must run exactly once")
+    return names
+
+
+def _returns_one_tensor(model: nn.Module, ep: ExportedProgram) -> bool:
+    """Whether the model returns a lone tensor (rather than a tuple or list of tensors, the only other output
+    it may have)."""
     spec = ep.call_spec.out_spec
     bare = spec is None or spec.is_leaf()
     if not bare and not (spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children_specs)):
-        raise TraceError(f"{type(model).__name__} must return a tensor or a tuple of tensors, its output is {spec}")
-    graphs, names = cut(ep, boundary_names=order)
-    device = args[0].device
+        raise CaptureError(f"{type(model).__name__} must return a tensor or a tuple of tensors, its output is {spec}")
+    return bare
+
+
+def _segments(
+    model: nn.Module,
+    ep: ExportedProgram,
+    graphs: Sequence[SegmentGraph],
+    names: Sequence[str],
+    *,
+    on: torch.device,
+    bare_output: bool,
+) -> list[Segment]:
+    """The cut graphs as segments of ``model``, captured on device ``on``; the last returns a lone output bare
+    when the model does (``bare_output``)."""
     # torch.export lists non-persistent buffers among its constants; they stay the model's buffers here, so that
     # materialising a meta model (or moving it) reaches them.
     buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
     constants = {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and k not in buffers}
-    segments = [
+    return [
         Segment(
             name,
             graph,
             model,
             constants,
-            traced_on=device,
-            traced_training=model.training,
-            bare_output=bare if k == len(graphs) - 1 else True,
+            captured_on=on,
+            captured_training=model.training,
+            bare_output=bare_output if k == len(graphs) - 1 else True,
         )
         for k, (name, graph) in enumerate(zip(names, graphs, strict=True))
     ]
-    chain = TracedChain(model, segments)
-    chain.train(model.training)  # in the mode it was traced in, as the model was
-    covered = {id(p) for s in segments for p in s.parameters()}
+
+
+def _report(model: nn.Module, chain: CapturedChain) -> None:
+    """Log what the capture made, and warn of parameters the forward never uses (no segment holds them)."""
+    covered = {id(p) for s in chain.segments for p in s.parameters()}
     unused = [n for n, p in model.named_parameters() if id(p) not in covered]
     if unused:
         log.warning(
             "%d parameters of %s are never used in its forward: %s", len(unused), type(model).__name__, unused[:5]
         )
     log.info(
-        "traced %s into %d segments (%s), %d shared parameters",
+        "captured %s into %d segments (%s), %d shared parameters",
         type(model).__name__,
-        len(segments),
-        ", ".join(names),
+        len(chain.segments),
+        ", ".join(s.segment_name for s in chain.segments),
         len(shared_parameters(chain.stagewise_layers())),
     )
-    return chain

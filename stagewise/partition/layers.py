@@ -1,17 +1,22 @@
-"""layers_of(): the ordered, named layers of a model that is a chain, and the parameters they share."""
+"""layers_of(): a chain's ordered, named layers, the Payload that flows between them, and the parameters they share."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeAlias
 
+import torch
 from torch import nn
+
+Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
+"""What flows between layers: a tensor or a tuple of tensors."""
 
 CHAIN_ATTRIBUTE = "stagewise_chain"
 """The attribute by which a module declares its chain (see :func:`layers_of`)."""
 
 LAYERS_METHOD = "stagewise_layers"
-"""A method that returns a module's layers itself (see :class:`stagewise.partition.TracedChain`)."""
+"""A method that returns a module's layers itself (see :class:`stagewise.partition.CapturedChain`)."""
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -25,7 +30,7 @@ class Layer:
     module: nn.Module
     prefix: str | None = None
     """What its parameter names start with in the unsplit model: ``name`` when None; ``""`` for a
-    layer whose parameters carry their full names (a segment of a traced model)."""
+    layer whose parameters carry their full names (a segment of a captured model)."""
 
     def qualify(self, key: str) -> str:
         """The unsplit model's name of this layer's parameter, buffer or state key ``key``."""
@@ -129,8 +134,8 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
       (``blocks.0``, ``blocks.1``, ...). Every parameter of the model must
       belong to one of the listed layers.
     * Any module with a ``stagewise_layers()`` method, which returns its
-      layers itself: a :class:`~stagewise.partition.TracedChain`, the chain
-      :func:`~stagewise.partition.trace` makes of a model that is not one.
+      layers itself: a :class:`~stagewise.partition.CapturedChain`, the chain
+      :func:`~stagewise.partition.capture` makes of a model that is not one.
 
     Layers may share parameters (tied weights, such as an embedding and an
     LM head): :func:`shared_parameters` lists them, and
@@ -144,22 +149,34 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"layers_of expects an nn.Module, got {type(model).__name__}")
-    kind = type(model).__name__
+    layers = _found_layers(model, flatten)
+    _check_chain(model, layers)
+    return layers
+
+
+def _found_layers(model: nn.Module, flatten: bool) -> list[Layer]:
+    """The layers the model provides, declares or contains, in that order of precedence; refused when it is
+    none of those chains."""
     provided = getattr(model, LAYERS_METHOD, None)
     if callable(provided):
-        layers = list(provided())
-    elif hasattr(model, CHAIN_ATTRIBUTE):
-        layers = list(_declared(model, flatten))
-    elif isinstance(model, _CONTAINERS):
-        layers = list(_children("", model, flatten))
-    else:
-        raise TypeError(
-            f"{kind} is not a chain of layers: stagewise splits nn.Sequential, nn.ModuleList, "
-            f"nn.ModuleDict, or a module that lists its layers in execution order in a "
-            f"'{CHAIN_ATTRIBUTE}' attribute (e.g. {CHAIN_ATTRIBUTE} = ('embed', 'blocks', 'norm', 'head')). "
-            f"For a model whose forward is not a chain, stagewise.partition.trace(model, example) captures it "
-            f"with torch.export and cuts it at its repeated blocks into a chain."
-        )
+        return list(provided())
+    if hasattr(model, CHAIN_ATTRIBUTE):
+        return list(_declared(model, flatten))
+    if isinstance(model, _CONTAINERS):
+        return list(_children("", model, flatten))
+    raise TypeError(
+        f"{type(model).__name__} is not a chain of layers: stagewise splits nn.Sequential, nn.ModuleList, "
+        f"nn.ModuleDict, or a module that lists its layers in execution order in a "
+        f"'{CHAIN_ATTRIBUTE}' attribute (e.g. {CHAIN_ATTRIBUTE} = ('embed', 'blocks', 'norm', 'head')). "
+        f"For a model whose forward is not a chain, stagewise.partition.capture(model, example) captures it "
+        f"with torch.export and cuts it at its repeated blocks into a chain."
+    )
+
+
+def _check_chain(model: nn.Module, layers: list[Layer]) -> None:
+    """Refuse an empty chain, a layer listed twice, a module with state at two places, and (for a declared chain)
+    parameters that no layer holds."""
+    kind = type(model).__name__
     if not layers:
         raise ValueError(f"{kind} has no layers to split; it is an empty chain")
     names = [layer.name for layer in layers]
@@ -175,7 +192,6 @@ def layers_of(model: nn.Module, *, flatten: bool = False) -> list[Layer]:
                 f"{kind}.{CHAIN_ATTRIBUTE} leaves out parameters {stray[:5]}"
                 f"{' ...' if len(stray) > 5 else ''}; list every module that owns parameters"
             )
-    return layers
 
 
 def _check_reused(kind: str, layers: list[Layer]) -> None:

@@ -8,10 +8,9 @@ import statistics
 import time as clock
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -19,23 +18,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from stagewise.partition.attention import FLOP_FORMULAS, FusedAttentionOnMeta
-from stagewise.partition.layers import Layer, layers_of
+from stagewise.partition.layers import Layer, Payload, layers_of
+from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
 from stagewise.partition.live_bytes import LiveBytes
+from stagewise.partition.segment import Segment
 
 log = logging.getLogger(__name__)
-
-Payload: TypeAlias = torch.Tensor | tuple[torch.Tensor, ...]
-"""What flows between layers: a tensor or a tuple of tensors."""
-
-DEFAULT_MIN_POOLED_ELEMENTS = 1 << 18
-"""Weights smaller than this are left to autograd when backwards pool their weight gradients.
-
-A pooled weight gradient is one GEMM over several micro-batches, which pays
-off for smaller weights than the per-micro-batch fused GEMM does. Measured like
-``stagewise.pipeline.fusion.DEFAULT_MIN_ELEMENTS``, pooling all 8 micro-batches:
-0.77-0.82x autograd's step time with 262k-element weights (d = 256), but
-1.14-1.20x with 4k- to 65k-element ones (d = 32 to 128).
-"""
 
 
 @dataclass(frozen=True)
@@ -73,7 +61,7 @@ class LayerCost:
     """Bytes a pooled weight gradient keeps for one micro-batch until its pool is flushed.
 
     The input and the output gradient of each linear whose weight has at least
-    :data:`DEFAULT_MIN_POOLED_ELEMENTS` elements (what ``Pipeline``'s default
+    :data:`~stagewise.partition.linears.DEFAULT_MIN_POOLED_ELEMENTS` elements (what ``Pipeline``'s default
     fusion pools; see ``stagewise.pipeline.WeightGradientFusion``)."""
     use_bytes: int = 0
     """Bytes of the outputs of the ops that read a parameter, pooled linears aside: zero-bubble's input pass
@@ -144,11 +132,6 @@ def _backward(output: Payload) -> None:
     outs = [t for t in _tensors(output, "output") if t.requires_grad]
     if outs:
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-
-
-LINEAR_OPS: frozenset[object] = frozenset({F.linear, torch.ops.aten.linear.default})
-"""The linear ops whose weight gradients ``Pipeline`` fuses and pools: ``F.linear`` (what ``nn.Linear`` calls) and
-the ATen op that traced graphs call."""
 
 
 class _PooledBytes(TorchFunctionMode):
@@ -312,61 +295,106 @@ def profile(
         raise ValueError("there are no layers to profile")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
-    from stagewise.partition.capture import Segment  # traced.py builds on this module
-
-    target = _choose_device(layers, time, device)
+    settings = _Settings(_choose_device(layers, time, device), time, warmup, repeats, pooled_min_elements)
     _tensors(sample, "sample")
-    current: Payload = _like(sample, _on(target))
+    current: Payload = _like(sample, _on(settings.device))
     costs: list[LayerCost] = []
-    kept_outputs: list[bool] = []  # which of the previous layer's output tensors it saved for backward
+    kept_outputs: list[bool] = []
     for index, layer in enumerate(tqdm(layers, desc="profiling", disable=not progress, unit="layer")):
-        work = working_copy(layer.module, target)
-        # Training's costs; a segment traced in eval mode runs only as traced.
-        work.train(work.traced_training if isinstance(work, Segment) else True)
-        saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
-        copy = _changes_its_input(work, _fresh(current, first=index == 0))
-        inputs = _fresh(current, first=index == 0, copy=copy)
-        in_storages = [t.untyped_storage() for t in _tensors(inputs, "sample")]
-        live = LiveBytes()
-        with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
-            hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
-            with hooks, FusedAttentionOnMeta(), pooled, live:
-                output = work(inputs)
-            outs = _tensors(output, f"the output of layer {layer.name!r}")
-            forward_flops = counter.get_total_flops()
-            kept = live.current  # what the forward leaves: the saved tensors and the output
-            forward_extra, live.peak = live.peak - kept, kept
-            with live:
-                _backward(output)
-            total_flops = counter.get_total_flops()
-        grads = sum(p.grad.untyped_storage().nbytes() for p in work.parameters() if p.grad is not None)
-        working = max(forward_extra, live.peak - kept - grads, 0)
-        shared = sum(
-            storage.nbytes()
-            for storage, before in zip(in_storages, kept_outputs, strict=False)
-            if before and storage in saved.storages
-        )
-        kept_outputs = [t.untyped_storage() in saved.storages for t in outs]
-        elapsed = _time(work, current, target, warmup, repeats, first=index == 0, copy=copy) if time else None
-        params = list(layer.module.parameters())
-        costs.append(
-            LayerCost(
-                name=layer.name,
-                params=sum(p.numel() for p in params),
-                param_bytes=sum(p.numel() * p.element_size() for p in params),
-                buffer_bytes=sum(b.numel() * b.element_size() for b in layer.module.buffers()),
-                flops=int(total_flops),
-                forward_flops=int(forward_flops),
-                output_bytes=sum(t.numel() * t.element_size() for t in outs),
-                saved_bytes=saved.total,
-                time=elapsed,
-                shared_bytes=shared,
-                pooled_bytes=pooled.total,
-                use_bytes=pooled.uses,
-                working_bytes=int(working),
-            )
-        )
-        log.debug("profiled %s: %s", layer.name, costs[-1])
-        current = _like(output, lambda t: t.detach())
-        del work, output, inputs, outs
+        cost, current, kept_outputs = _profile_layer(layer, current, kept_outputs, settings, first=index == 0)
+        costs.append(cost)
+        log.debug("profiled %s: %s", layer.name, cost)
     return costs
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """How :func:`profile` runs each layer."""
+
+    device: torch.device
+    time: bool
+    warmup: int
+    repeats: int
+    pooled_min_elements: int
+
+
+def _profile_layer(
+    layer: Layer, current: Payload, kept_outputs: list[bool], settings: _Settings, *, first: bool
+) -> tuple[LayerCost, Payload, list[bool]]:
+    """The cost of ``layer`` on ``current``, the previous layer's output (``kept_outputs``: which of its tensors
+    that layer saved for backward); also the layer's output, detached, and which of its tensors it saved."""
+    work = working_copy(layer.module, settings.device)
+    # Training's costs; a segment captured in eval mode runs only as captured.
+    work.train(work.captured_training if isinstance(work, Segment) else True)
+    copy = _changes_its_input(work, _fresh(current, first=first))
+    inputs = _fresh(current, first=first, copy=copy)
+    in_storages = [t.untyped_storage() for t in _tensors(inputs, "sample")]
+    run = _counted_run(work, inputs, layer.name, settings.pooled_min_elements)
+    shared = sum(
+        storage.nbytes()
+        for storage, before in zip(in_storages, kept_outputs, strict=False)
+        if before and storage in run.saved.storages
+    )
+    saves_output = [t.untyped_storage() in run.saved.storages for t in run.outs]
+    elapsed = (
+        _time(work, current, settings.device, settings.warmup, settings.repeats, first=first, copy=copy)
+        if settings.time
+        else None
+    )
+    cost = _layer_cost(layer, run, shared_bytes=shared, time=elapsed)
+    return cost, _like(run.output, lambda t: t.detach()), saves_output
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One forward and backward of a layer, counted."""
+
+    output: Payload
+    outs: tuple[torch.Tensor, ...]
+    """The output's tensors."""
+    flops: int
+    forward_flops: int
+    saved: _SavedBytes
+    pooled: _PooledBytes
+    working_bytes: int
+    """What the layer held for a moment beyond what it saves (see :attr:`LayerCost.working_bytes`)."""
+
+
+def _counted_run(work: nn.Module, inputs: Payload, name: str, pooled_min_elements: int) -> _Run:
+    """Run ``work`` forward and backward on ``inputs`` once, counting FLOPs, saved, pooled and live bytes."""
+    saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
+    live = LiveBytes()
+    with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+        with hooks, FusedAttentionOnMeta(), pooled, live:
+            output = work(inputs)
+        outs = _tensors(output, f"the output of layer {name!r}")
+        forward_flops = counter.get_total_flops()
+        kept = live.current  # what the forward leaves: the saved tensors and the output
+        forward_extra, live.peak = live.peak - kept, kept
+        with live:
+            _backward(output)
+        total_flops = counter.get_total_flops()
+    grads = sum(p.grad.untyped_storage().nbytes() for p in work.parameters() if p.grad is not None)
+    working = max(forward_extra, live.peak - kept - grads, 0)
+    return _Run(output, outs, int(total_flops), int(forward_flops), saved, pooled, int(working))
+
+
+def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, time: float | None) -> LayerCost:
+    """What ``layer`` costs: its parameters and buffers, and what ``run`` counted."""
+    params = list(layer.module.parameters())
+    return LayerCost(
+        name=layer.name,
+        params=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in layer.module.buffers()),
+        flops=run.flops,
+        forward_flops=run.forward_flops,
+        output_bytes=sum(t.numel() * t.element_size() for t in run.outs),
+        saved_bytes=run.saved.total,
+        time=time,
+        shared_bytes=shared_bytes,
+        pooled_bytes=run.pooled.total,
+        use_bytes=run.pooled.uses,
+        working_bytes=run.working_bytes,
+    )

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.overrides import TorchFunctionMode
 
-from stagewise.partition.profile import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
+from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
 
 DEFAULT_MIN_ELEMENTS = 1 << 20
 """Weights smaller than this (4 MiB in fp32) are left to autograd when each backward accumulates its own.

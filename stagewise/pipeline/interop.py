@@ -9,14 +9,14 @@ from torch import nn
 if TYPE_CHECKING:  # importing torch.distributed.pipelining takes a second and a half (dynamo, DTensor)
     from torch.distributed.pipelining import Pipe
 
-from stagewise.partition import Partition, TracedChain
+from stagewise.partition import CapturedChain, Partition
 
 
 def torch_pipe(model: nn.Module, partition: Partition, mb_args: tuple[Any, ...]) -> Pipe:
     """torch's ``Pipe`` of ``model`` with a stage boundary wherever ``partition`` has one.
 
     ``model`` is a chain (see :func:`stagewise.partition.layers_of`) or a
-    :class:`~stagewise.partition.TracedChain`, whose source model torch traces
+    :class:`~stagewise.partition.CapturedChain`, whose source model torch traces
     again. The boundaries come from :meth:`Partition.split_spec`; they are put
     in with forward pre-hooks that call ``pipe_split()``, removed afterwards,
     so the model is left as it was (``pipeline(model, split_spec=...)`` wraps
@@ -33,7 +33,7 @@ def torch_pipe(model: nn.Module, partition: Partition, mb_args: tuple[Any, ...])
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     spec = partition.split_spec(model)
-    source = model.source.model if isinstance(model, TracedChain) else model
+    source = model.source.model if isinstance(model, CapturedChain) else model
     handles = []
     for name, point in spec.items():
         if point is not SplitPoint.BEGINNING:  # split_spec only makes BEGINNING points

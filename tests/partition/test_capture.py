@@ -1,4 +1,4 @@
-"""trace(): models that are not chains, captured by torch.export and cut at their repeated blocks."""
+"""capture(): models that are not chains, captured by torch.export and cut at their repeated blocks."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.models.nonchain import MaskedTransformer, UNetMLP
-from stagewise.partition import TraceError, auto, layers_of, profile, repeated_blocks, shared_parameters, trace
+from stagewise.partition import CaptureError, auto, capture, layers_of, profile, repeated_blocks, shared_parameters
 from stagewise.pipeline import materialise_model, torch_pipe
 from stagewise.pipeline.stage import materialise
 
@@ -24,7 +24,7 @@ def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_masked_transformer_becomes_a_chain_that_computes_the_same() -> None:
     torch.manual_seed(0)
     model = MaskedTransformer()
-    chain = trace(model, inputs(3))
+    chain = capture(model, inputs(3))
     layers = layers_of(chain)
     assert [layer.name for layer in layers] == ["<input>", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     # hidden states, mask, cos and sin travel between blocks; the last returns the logits
@@ -45,7 +45,7 @@ def test_skip_connections_are_passed_along_and_shared_weights_found() -> None:
     torch.manual_seed(0)
     model = UNetMLP(n_layers=6)
     x = torch.randn(4, 16)
-    chain = trace(model, x)
+    chain = capture(model, x)
     # the input projection reaches the head, and block i's output reaches block 5 - i
     assert [s.graph.emits for s in chain.segments] == [1, 2, 3, 4, 3, 2, 1]
     torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)
@@ -56,7 +56,7 @@ def test_skip_connections_are_passed_along_and_shared_weights_found() -> None:
 def test_the_partitioner_chooses_among_the_block_boundaries() -> None:
     model = MaskedTransformer(n_layers=6, device="meta")
     example = tuple(t.to("meta") for t in inputs(2))
-    chain = trace(model, example)
+    chain = capture(model, example)
     costs = profile(chain, example)
     assert [c.name for c in costs] == ["<input>", *repeated_blocks(model)]
     assert len({c.flops for c in costs[1:-1]}) == 1  # identical blocks cost the same
@@ -67,13 +67,13 @@ def test_the_partitioner_chooses_among_the_block_boundaries() -> None:
 
 def test_a_meta_model_is_materialised_segment_by_segment_on_the_cpu() -> None:
     model = MaskedTransformer(device="meta")
-    chain = trace(model, tuple(t.to("meta") for t in inputs(2)))
+    chain = capture(model, tuple(t.to("meta") for t in inputs(2)))
     materialise_model(chain, seed=3)
     assert not any(p.is_meta for p in model.parameters())
     x = inputs(3)
-    # the mask's torch.ones(..., device=meta) of tracing now runs on the CPU
+    # the mask's torch.ones(..., device=meta) of the capture now runs on the CPU
     torch.testing.assert_close(chain(*x), model(*x), atol=0, rtol=0)
-    again = trace(MaskedTransformer(device="meta"), tuple(t.to("meta") for t in inputs(2)))
+    again = capture(MaskedTransformer(device="meta"), tuple(t.to("meta") for t in inputs(2)))
     materialise_model(again, seed=3)
     for (name, a), b in zip(chain.state_dict().items(), again.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
@@ -111,10 +111,10 @@ class CachedNet(nn.Module):
 
 def test_a_non_persistent_buffer_stays_the_models_through_materialisation() -> None:
     # torch.export keeps non-persistent buffers among its constants: the segments read the meta tensor captured
-    # at tracing, so a meta model, once materialised, could not run or be profiled.
+    # at capture, so a meta model, once materialised, could not run or be profiled.
     with torch.device("meta"):
         model = CachedNet()
-    chain = trace(model, torch.zeros(2, 8, device="meta"))
+    chain = capture(model, torch.zeros(2, 8, device="meta"))
     materialise_model(chain, seed=0)
     assert not any(b.is_meta for b in model.buffers())
     x = torch.randn(4, 8)
@@ -149,25 +149,25 @@ class NormNet(nn.Module):
         return out
 
 
-def test_an_example_of_one_sample_traces_a_chain_for_any_batch() -> None:
+def test_an_example_of_one_sample_captures_a_chain_for_any_batch() -> None:
     # torch.export fixes a dimension of size 1: the example is shown twice, and the batch stays symbolic.
     torch.manual_seed(0)
     model = UNetMLP()
-    chain = trace(model, torch.randn(1, 16))
+    chain = capture(model, torch.randn(1, 16))
     for batch in (1, 3):
         x = torch.randn(batch, 16)
         torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)
 
 
-def test_a_model_traced_in_eval_mode_comes_back_in_it_and_profiles() -> None:
+def test_a_model_captured_in_eval_mode_comes_back_in_it_and_profiles() -> None:
     torch.manual_seed(0)
     model, x = NormNet().eval(), torch.randn(6, 4)
-    chain = trace(model, x)
+    chain = capture(model, x)
     assert not chain.training and not any(s.training for s in chain.segments)
-    torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)  # it runs as traced, with nothing to set
-    costs = profile(chain, x)  # each segment in the mode it was traced in
+    torch.testing.assert_close(chain(x), model(x), atol=0, rtol=0)  # it runs as captured, with nothing to set
+    costs = profile(chain, x)  # each segment in the mode it was captured in
     assert len(costs) == 4 and all(c.flops > 0 for c in costs)
-    timed = profile(trace(NormNet().eval(), x), x.to("meta"), time=True, repeats=1, warmup=0)
+    timed = profile(capture(NormNet().eval(), x), x.to("meta"), time=True, repeats=1, warmup=0)
     assert all(c.time is not None and c.time > 0 for c in timed)  # a meta sample stands for zeros on the CPU
 
 
@@ -186,11 +186,11 @@ class TiedLM(nn.Module):
 
 def test_a_tied_module_keeps_the_value_of_the_first_segment_that_uses_it() -> None:
     example = torch.zeros(2, 4, dtype=torch.long, device="meta")
-    chain = trace(TiedLM(device="meta"), example)
+    chain = capture(TiedLM(device="meta"), example)
     layers = layers_of(chain)
     assert layers[-1].module.get_submodule("embed") is layers[0].module.get_submodule("embed")
     materialise_model(chain, seed=2)
-    alone = trace(TiedLM(device="meta"), example)
+    alone = capture(TiedLM(device="meta"), example)
     materialise(layers_of(alone)[0].module, 0, torch.device("cpu"), 2)
     torch.testing.assert_close(chain.embed.weight, alone.embed.weight, atol=0, rtol=0)
 
@@ -199,7 +199,7 @@ def test_torch_pipe_cuts_where_the_partition_does_and_leaves_the_model_alone() -
     torch.manual_seed(0)
     model = UNetMLP()
     x = torch.randn(2, 16)
-    chain = trace(model, x)
+    chain = capture(model, x)
     part = auto(chain, 3, x, by="flops")
     pipe = torch_pipe(chain, part, (x,))
     assert pipe.num_stages == 3
@@ -240,29 +240,31 @@ class Dropping(nn.Module):
         return self.drop(self.blocks(x))
 
 
-def test_what_cannot_be_traced_or_cut_is_refused_with_the_reason() -> None:
+def test_what_cannot_be_captured_or_cut_is_refused_with_the_reason() -> None:
     with pytest.raises(
-        TraceError,
+        CaptureError,
         match=r"(?s)could not capture Branchy: GuardOnDataDependentSymNode: Could not guard .*stagewise_chain",
     ):
-        trace(Branchy(), torch.randn(2, 4))
+        capture(Branchy(), torch.randn(2, 4))
     with pytest.raises(ValueError, match=r"blocks \['blocks.0'\] run more than once per forward"):
-        trace(Twice(), torch.randn(2, 4))
+        capture(Twice(), torch.randn(2, 4))
     with pytest.raises(ValueError, match=r"Linear has no repeated blocks .* blocks=\[...\]"):
-        trace(nn.Linear(4, 4), torch.randn(2, 4))
+        capture(nn.Linear(4, 4), torch.randn(2, 4))
     with pytest.raises(ValueError, match=r"blocks names 'nope', which is not a submodule"):
-        trace(UNetMLP(), torch.randn(2, 16), blocks=["nope"])
+        capture(UNetMLP(), torch.randn(2, 16), blocks=["nope"])
     with pytest.raises(TypeError, match=r"a tensor or a tuple of tensors .* got list"):
-        trace(UNetMLP(), [torch.randn(2, 16)])  # type: ignore[arg-type]
+        capture(UNetMLP(), [torch.randn(2, 16)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"share their first \(batch\) dimension, got shapes \[\(2, 8\), \(3, 8\)\]"):
-        trace(MaskedTransformer(), (torch.zeros(2, 8, dtype=torch.long), torch.ones(3, 8, dtype=torch.long)))
+        capture(MaskedTransformer(), (torch.zeros(2, 8, dtype=torch.long), torch.ones(3, 8, dtype=torch.long)))
     clashing = UNetMLP()
-    clashing.graph = nn.Linear(2, 2)  # a name the traced segments keep for themselves
-    with pytest.raises(TraceError, match=r"UNetMLP has attributes named \['graph'\], which trace\(\) keeps for the "):
-        trace(clashing, torch.randn(2, 16))
-    chain = trace(Dropping(), torch.randn(2, 4), blocks=["blocks.0", "blocks.1"])
+    clashing.graph = nn.Linear(2, 2)  # a name the captured segments keep for themselves
+    with pytest.raises(
+        CaptureError, match=r"UNetMLP has attributes named \['graph'\], which capture\(\) keeps for the "
+    ):
+        capture(clashing, torch.randn(2, 16))
+    chain = capture(Dropping(), torch.randn(2, 4), blocks=["blocks.0", "blocks.1"])
     chain.eval()
-    with pytest.raises(RuntimeError, match=r"traced in training mode and contains dropout or batch norm"):
+    with pytest.raises(RuntimeError, match=r"captured in training mode and contains dropout or batch norm"):
         chain(torch.randn(2, 4))
 
 
@@ -301,6 +303,6 @@ def test_blocks_of_two_alternating_classes_are_cut_at_each_block() -> None:
     model = Alternating()
     assert repeated_blocks(model) == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     x = torch.randn(2, 8)
-    chain = trace(model, x)
+    chain = capture(model, x)
     assert [layer.name for layer in layers_of(chain)] == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     torch.testing.assert_close(chain(x), model(x))

@@ -94,7 +94,7 @@ class NotAChain(nn.Module):
 def test_not_a_chain_is_a_type_error_pointing_the_way() -> None:
     with pytest.raises(
         TypeError,
-        match=r"NotAChain is not a chain of layers.*'stagewise_chain'.*stagewise\.partition\.trace\(model, example\)",
+        match=r"NotAChain is not a chain of layers.*'stagewise_chain'.*stagewise\.partition\.capture\(model, example\)",
     ):
         layers_of(NotAChain())
     with pytest.raises(TypeError, match=r"expects an nn.Module, got list"):

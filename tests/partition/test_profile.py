@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from stagewise.models import GPT, GPTConfig
-from stagewise.partition import LayerCost, memory_model, profile, trace
+from stagewise.partition import LayerCost, capture, memory_model, profile
 
 
 def test_linear_flops_params_and_bytes() -> None:
@@ -121,9 +121,9 @@ class KeywordAttention(nn.Module):
         return out.transpose(1, 2).reshape(b, t, d)
 
 
-@pytest.mark.parametrize("model", ["gpt", "traced gpt", "keyword attention"])
+@pytest.mark.parametrize("model", ["gpt", "captured gpt", "keyword attention"])
 def test_meta_and_real_give_the_same_counts(model: str) -> None:
-    # Traced graphs call aten's attention op, and a model may pass its arguments by name: meta still counts the
+    # Captured graphs call aten's attention op, and a model may pass its arguments by name: meta still counts the
     # fused kernel, as the CPU runs it.
     cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4)
     ids = torch.randint(0, 64, (2, 16))
@@ -131,9 +131,9 @@ def test_meta_and_real_give_the_same_counts(model: str) -> None:
         x = torch.randn(2, 16, 32)
         real = profile(nn.Sequential(KeywordAttention(32, "cpu"), KeywordAttention(32, "cpu")), x)
         meta = profile(nn.Sequential(KeywordAttention(32, "meta"), KeywordAttention(32, "meta")), x)
-    elif model == "traced gpt":
-        real = profile(trace(GPT(cfg), ids), ids)
-        meta = profile(trace(GPT(cfg, device="meta"), ids.to("meta")), ids)
+    elif model == "captured gpt":
+        real = profile(capture(GPT(cfg), ids), ids)
+        meta = profile(capture(GPT(cfg, device="meta"), ids.to("meta")), ids)
     else:
         real = profile(GPT(cfg), ids)
         meta = profile(GPT(cfg, device="meta"), ids)
