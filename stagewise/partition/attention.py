@@ -35,7 +35,7 @@ FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
 
 
 _ATTENTION = (F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default)
-"""Attention as a model calls it, and as a traced graph (:func:`stagewise.partition.trace`) calls it."""
+"""Attention as a model calls it, and as a captured graph (:func:`stagewise.partition.capture`) calls it."""
 
 
 class FusedAttentionOnMeta(TorchFunctionMode):
