@@ -227,6 +227,69 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: t
     return DeviceMesh.from_group(mine, device.type, mesh=grid, mesh_dim_names=("pp", "dp"))
 
 
+def _joined() -> tuple[int, int]:
+    """(world size, rank): the default group's when it is initialised, else the torchrun environment's."""
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
+    if missing:
+        raise ValueError(
+            f"init_mesh needs the torchrun environment, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set; start the processes with torchrun "
+            "or stagewise.comm.launch"
+        )
+    return _env_int("WORLD_SIZE"), _env_int("RANK")
+
+
+def _layout(pp: int | None, dp: int | None, world: int) -> Layout:
+    """The ``pp x dp`` layout of ``world`` processes (see :func:`_fill`), refused unless it covers them all."""
+    layout = _fill(pp, dp, world)
+    if layout.world_size != world:
+        raise ValueError(
+            f"pp={layout.pp} x dp={layout.dp} = {layout.world_size} processes, but the world size is {world}; "
+            f"choose pp and dp whose product is {world}, or launch {layout.world_size} processes"
+        )
+    return layout
+
+
+def _backend_and_device(backend: Backend | None, world: int) -> tuple[Backend, torch.device]:
+    """The backend (the default group's, else ``backend`` or :func:`choose_backend`'s) and this rank's device:
+    ``cuda:LOCAL_RANK`` under NCCL, made current, else the CPU."""
+    local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
+    local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else world
+    chosen: Backend
+    if dist.is_initialized():
+        chosen = "nccl" if dist.get_backend() == "nccl" else "gloo"
+    else:
+        chosen = backend or choose_backend(local_world)
+    if backend is not None and backend != chosen:
+        raise ValueError(f"the process group already uses {chosen}, not the requested {backend}")
+    if chosen == "gloo":
+        return chosen, torch.device("cpu")
+    usable = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if local_rank >= usable:
+        raise ValueError(
+            f"backend 'nccl' needs a CUDA device for local rank {local_rank}, but this machine has {usable} usable "
+            "GPUs; use backend='gloo' on the CPU, or launch at most one process per GPU"
+        )
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return chosen, device
+
+
+def _init_default_group(backend: Backend, device: torch.device, world: int, rank: int, wait: timedelta) -> None:
+    """Initialise the default process group, its rendezvous bounded by ``wait`` (torch's takes the group's)."""
+    store = _attempt_store(world, wait)
+    dist.init_process_group(
+        backend,
+        timeout=wait,
+        device_id=device if backend == "nccl" else None,
+        store=store,
+        rank=rank if store is not None else -1,
+        world_size=world if store is not None else -1,
+    )
+
+
 def init_mesh(
     pp: int | None = None,
     dp: int | None = 1,
@@ -245,9 +308,10 @@ def init_mesh(
     ``dp`` may be None: it is then the world size divided by the other
     (``init_mesh()`` alone is one pipeline over all processes).
 
-    ``timeout`` bounds every collective of the mesh's groups and, when this
-    call initialises the default group, its rendezvous too: every process
-    must have joined within it (torch's rendezvous takes the group's bound).
+    ``timeout`` (seconds) bounds every collective of the mesh's groups and,
+    when this call initialises the default group, its rendezvous too: every
+    process must have joined within it (torch's rendezvous takes the group's
+    bound).
 
     Raises:
         ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
@@ -256,53 +320,12 @@ def init_mesh(
     wait = timedelta(seconds=seconds)
     if backend not in (None, *get_args(Backend)):
         raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
-    if dist.is_initialized():
-        world, rank = dist.get_world_size(), dist.get_rank()
-    else:
-        missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
-        if missing:
-            raise ValueError(
-                f"init_mesh needs the torchrun environment, but {', '.join(missing)} "
-                f"{'is' if len(missing) == 1 else 'are'} not set; start the processes with torchrun "
-                "or stagewise.comm.launch"
-            )
-        world, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
-    layout = _fill(pp, dp, world)
-    pp, dp = layout.pp, layout.dp
-    if layout.world_size != world:
-        raise ValueError(
-            f"pp={pp} x dp={dp} = {layout.world_size} processes, but the world size is {world}; "
-            f"choose pp and dp whose product is {world}, or launch {layout.world_size} processes"
-        )
-    local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else 0
-    local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else world
-    chosen: Backend
-    if dist.is_initialized():
-        chosen = "nccl" if dist.get_backend() == "nccl" else "gloo"
-    else:
-        chosen = backend or choose_backend(local_world)
-    if backend is not None and backend != chosen:
-        raise ValueError(f"the process group already uses {chosen}, not the requested {backend}")
-    usable = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if chosen == "nccl" and local_rank >= usable:
-        raise ValueError(
-            f"backend 'nccl' needs a CUDA device for local rank {local_rank}, but this machine has {usable} usable "
-            "GPUs; use backend='gloo' on the CPU, or launch at most one process per GPU"
-        )
-    device = torch.device("cuda", local_rank) if chosen == "nccl" else torch.device("cpu")
-    if chosen == "nccl":
-        torch.cuda.set_device(device)
+    world, rank = _joined()
+    layout = _layout(pp, dp, world)
+    chosen, device = _backend_and_device(backend, world)
     made = not dist.is_initialized()
     if made:
-        store = _attempt_store(world, wait)
-        dist.init_process_group(
-            chosen,
-            timeout=wait,
-            device_id=device if chosen == "nccl" else None,
-            store=store,
-            rank=rank if store is not None else -1,
-            world_size=world if store is not None else -1,
-        )
+        _init_default_group(chosen, device, world, rank, wait)
     mesh = _device_mesh(layout, device, chosen, wait, world=made)
     result = PipelineMesh(mesh, layout, rank, device, chosen, seconds)
     log.info("%s", result.describe())
