@@ -8,9 +8,12 @@ from typing import Any, get_args
 
 from stagewise.cli import args
 from stagewise.models import PRESETS
-from stagewise.partition import By, MemorySchedule, balance_costs, layers_of, profile, shared_parameters
-from stagewise.schedule import build, holdings
+from stagewise.partition import By, MemorySetting, balance_costs, layers_of, profile, shared_parameters
+from stagewise.schedule import BUILDERS, ScheduleName, build, holdings
 from stagewise.units import format_bytes
+
+_ONE_STAGE_PER_RANK = [name for name in get_args(ScheduleName) if not BUILDERS[name].virtual]
+"""The built-in schedules that run one stage per rank, as ``--stages`` stages on as many devices."""
 
 
 def add(commands: Any) -> None:
@@ -26,7 +29,7 @@ def add(commands: Any) -> None:
     part.add_argument("--micro-batch-size", type=args.positive_int, default=1, help="sequences per micro-batch")
     part.add_argument("--seq-len", type=args.positive_int, default=None, help="tokens per sequence (preset's)")
     part.add_argument("--microbatches", type=args.positive_int, default=8, help="micro-batches per step")
-    part.add_argument("--schedule", default="1f1b", choices=get_args(MemorySchedule), help="for memory")
+    part.add_argument("--schedule", default="1f1b", choices=_ONE_STAGE_PER_RANK, help="for memory")
     part.add_argument("--capacity", type=args.sizes, default=None, help="device memory, e.g. 80GiB, or one per stage")
     part.add_argument("--speeds", type=args.floats, default=None, help="relative device speeds, one per stage")
     part.add_argument("--state-multiplier", type=float, default=4.0, help="parameter copies kept (4: Adam)")
@@ -43,16 +46,15 @@ def run(ns: argparse.Namespace) -> int:
     model = config.build(device="meta")
     sample = config.example(ns.micro_batch_size, ns.seq_len)
     costs = profile(model, sample, time=timed, device=(ns.device or "cpu") if timed else None, progress=timed)
+    schedule = build(ns.schedule, ns.stages, ns.microbatches)
     part = balance_costs(
         costs,
         ns.stages,
         by=ns.by,
         speeds=args.per_stage(ns.speeds, ns.stages, "speeds"),
         capacities=args.per_stage(ns.capacity, ns.stages, "capacity"),
-        schedule=ns.schedule,
-        n_microbatches=ns.microbatches,
-        state_multiplier=ns.state_multiplier,
-        holdings=holdings(build(ns.schedule, ns.stages, ns.microbatches)),  # Pipeline's default weight-gradient pool
+        # What the schedule holds, with Pipeline's default weight-gradient pool.
+        memory=MemorySetting(schedule, holdings(schedule), ns.state_multiplier),
         shared=shared_parameters(layers_of(model)),  # tied weights: one copy per stage
     )
     total = sum(p.numel() for p in model.parameters())  # a tied parameter once

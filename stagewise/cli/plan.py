@@ -197,45 +197,35 @@ def _show(result: Plan, work: Workload, top: int) -> None:
                 print(f"  {o.describe()}: {o.rejected}")
 
 
-def run(ns: argparse.Namespace) -> int:
-    if not ns.profile and (ns.profile_ranks != 1 or ns.device is not None):
-        flag = "--profile-ranks" if ns.profile_ranks != 1 else "--device"
-        raise ValueError(f"{flag} says how --profile measures; add --profile, or leave {flag} out")
+def _workload(ns: argparse.Namespace, model: nn.Module, sample: Payload, tokens: int) -> Workload:
+    """The model's costs under ``ns``: profiled here, or by as many processes as the job's ranks at once."""
     device = ns.device or "cpu"
-    model, sample, tokens = _model(ns)
-    cluster = _cluster(ns)
     state = 4.0 if ns.optimizer == "adamw" else 3.0  # weights, gradients, and two moments or SGD's momentum
     if ns.profile and ns.profile_ranks > 1:
         if ns.model not in PRESETS:
             raise ValueError("--profile-ranks above 1 profiles presets only; profile MODULE:FACTORY with one rank")
-        work = workload_under_load(
+        return workload_under_load(
             preset_model, (ns.model, ns.micro_batch, ns.seq_len), concurrent=ns.profile_ranks,
             global_batch=ns.global_batch, tokens_per_sample=tokens, state_multiplier=state, measure_on=device,
             optimizer=ns.optimizer,
         )  # fmt: skip
-    else:
-        loss = preset_model(ns.model, ns.micro_batch, ns.seq_len)[2] if ns.model in PRESETS else None
-        work = workload(
-            model,
-            sample,
-            global_batch=ns.global_batch,
-            tokens_per_sample=tokens,
-            state_multiplier=state,
-            measure_on=device if ns.profile else None,
-            loss=loss,
-            optimizer=ns.optimizer,
-        )
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {cluster.describe()}")
-    result = plan(work, cluster)
-    _show(result, work, ns.top)
+    loss = preset_model(ns.model, ns.micro_batch, ns.seq_len)[2] if ns.model in PRESETS else None
+    return workload(
+        model,
+        sample,
+        global_batch=ns.global_batch,
+        tokens_per_sample=tokens,
+        state_multiplier=state,
+        measure_on=device if ns.profile else None,
+        loss=loss,
+        optimizer=ns.optimizer,
+    )
+
+
+def _write_best(ns: argparse.Namespace, result: Plan, work: Workload, tokens: int) -> None:
+    """Print the best layout's partition and memory per rank; write its JSON and picture where asked."""
     best = result.best
-    if best is None:
-        least = result.smallest_memory
-        need = f"; it would need at least {format_bytes(least)} per device" if least else ""
-        print(f"no layout fits {cluster.n_devices} devices{need}")
-        return 1
-    assert best.partition is not None
+    assert best is not None and best.partition is not None
     print(f"best: {best.describe()}, partition {list(best.partition.bounds)}")
     pairs = list(zip(best.rank_memory, best.rank_activation, strict=True))
     if len(pairs) > 8:
@@ -250,4 +240,23 @@ def run(ns: argparse.Namespace) -> int:
     if ns.picture is not None and best.simulation is not None:
         render(best.simulation.timeline, ns.picture, title=f"{ns.model}: {best.describe()}")
         print(f"wrote {ns.picture}")
+
+
+def run(ns: argparse.Namespace) -> int:
+    if not ns.profile and (ns.profile_ranks != 1 or ns.device is not None):
+        flag = "--profile-ranks" if ns.profile_ranks != 1 else "--device"
+        raise ValueError(f"{flag} says how --profile measures; add --profile, or leave {flag} out")
+    model, sample, tokens = _model(ns)
+    cluster = _cluster(ns)
+    work = _workload(ns, model, sample, tokens)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {cluster.describe()}")
+    result = plan(work, cluster)
+    _show(result, work, ns.top)
+    if result.best is None:
+        least = result.smallest_memory
+        need = f"; it would need at least {format_bytes(least)} per device" if least else ""
+        print(f"no layout fits {cluster.n_devices} devices{need}")
+        return 1
+    _write_best(ns, result, work, tokens)
     return 0

@@ -14,7 +14,7 @@ from stagewise.partition.layers import (
     shared_parameters,
 )
 from stagewise.partition.live_bytes import LiveBytes
-from stagewise.partition.memory import MemoryModel, MemorySchedule, in_flight, memory_model
+from stagewise.partition.memory import MemoryModel, MemorySetting, memory_model
 from stagewise.partition.profile import LayerCost, profile
 from stagewise.partition.segment import Segment
 from stagewise.partition.shared_cost import Tie
@@ -31,7 +31,7 @@ __all__ = [
     "LayerCost",
     "LiveBytes",
     "MemoryModel",
-    "MemorySchedule",
+    "MemorySetting",
     "Partition",
     "Payload",
     "Segment",
@@ -41,7 +41,6 @@ __all__ = [
     "balance",
     "balance_costs",
     "capture",
-    "in_flight",
     "layers_of",
     "memory_model",
     "params_of",

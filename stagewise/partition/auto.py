@@ -11,11 +11,11 @@ from torch import nn
 
 from stagewise.partition.balance import Weights, balance
 from stagewise.partition.layers import Layer, Payload, SharedParameter, layers_of, shared_parameters
-from stagewise.partition.memory import MemorySchedule, memory_model
+from stagewise.partition.memory import MemorySetting
 from stagewise.partition.profile import LayerCost, profile
 from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
-from stagewise.schedule import Holding
+from stagewise.schedule import build
 
 By = Literal["time", "flops", "params", "memory"]
 """What a stage's load counts: measured time, FLOPs, parameters, or bytes of memory."""
@@ -28,20 +28,22 @@ def balance_costs(
     by: By = "flops",
     speeds: Weights | None = None,
     capacities: Weights | None = None,
-    schedule: MemorySchedule = "1f1b",
-    n_microbatches: int = 1,
-    state_multiplier: float = 4.0,
-    holdings: Sequence[Sequence[Holding]] | None = None,
+    memory: MemorySetting | None = None,
+    n_microbatches: int | None = None,
     shared: Sequence[SharedParameter] = (),
 ) -> Partition:
-    """Balance profiled layers by ``by``, within ``capacities`` under ``schedule``'s memory.
+    """Balance profiled layers by ``by``, within ``capacities`` under ``memory``'s schedule.
 
-    The memory of each stage follows :func:`memory_model`: parameter state
-    (``state_multiplier`` copies of the weights) plus buffers, plus saved
-    activations times the micro-batches in flight on that stage, plus the
-    pooled weight gradients of ``holdings``
-    (``stagewise.schedule.holdings(schedule)`` for ``Pipeline``'s default).
-    ``shared`` lists the parameters layers share
+    The memory of each stage follows :func:`memory_model` under ``memory``
+    (a :class:`MemorySetting`): parameter state (``state_multiplier`` copies
+    of the weights) plus buffers, plus saved activations times the
+    micro-batches in flight on that stage as its schedule runs them, plus the
+    pooled weight gradients of its ``holdings``. For example
+    ``memory=MemorySetting(schedule, holdings(schedule))`` with ``schedule =
+    build("zero-bubble", n_stages, 8)`` counts what ``Pipeline`` holds by
+    default. ``n_microbatches`` alone is short for
+    ``MemorySetting(build("1f1b", n_stages, n_microbatches))``; with neither,
+    each stage holds one micro-batch. ``shared`` lists the parameters layers share
     (:func:`~stagewise.partition.shared_parameters`): a stage holding several
     of their layers keeps, and counts, one copy.
     """
@@ -49,32 +51,12 @@ def balance_costs(
         raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
     if not costs:
         raise ValueError("there are no layer costs to balance")
-    memory = memory_model(
-        costs,
-        n_stages,
-        schedule=schedule,
-        n_microbatches=n_microbatches,
-        state_multiplier=state_multiplier,
-        holdings=holdings,
-        shared=shared,
-    )
-    if by == "time":
-        missing = [c.name for c in costs if c.time is None]
-        if missing:
-            raise ValueError(
-                f"by='time' needs measured times, but {len(missing)} layers have none (first: {missing[0]!r}); "
-                "profile with time=True, or balance by 'flops'"
-            )
-        weights: Weights = [float(c.time or 0.0) for c in costs]
-    elif by == "flops":
-        weights = [float(c.flops) for c in costs]
-    elif by == "params":
-        weights = [float(c.params) for c in costs]
+    model = _setting(memory, n_stages, n_microbatches).model(costs, n_stages, shared)
     part = balance(
-        memory if by == "memory" else weights,
+        model if by == "memory" else _weights(costs, by),
         n_stages,
         speeds=speeds,
-        memory=memory,
+        memory=model,
         capacities=capacities,
         names=[c.name for c in costs],
         ties=[Tie(tie.indices, float(tie.numel)) for tie in shared] if by == "params" else (),
@@ -82,6 +64,34 @@ def balance_costs(
     b = part.bounds
     params = tuple(params_of(costs, shared, range(b[s], b[s + 1])) for s in range(part.n_stages))
     return dataclasses.replace(part, params=params)
+
+
+def _setting(memory: MemorySetting | None, n_stages: int, n_microbatches: int | None) -> MemorySetting:
+    """``memory``, or the 1F1B setting that ``n_microbatches`` is short for; never both."""
+    if n_microbatches is None:
+        return MemorySetting() if memory is None else memory
+    if memory is not None and memory.schedule is not None:
+        raise ValueError(
+            f"n_microbatches={n_microbatches} is short for a 1F1B schedule, but memory already has its schedule "
+            f"({memory.schedule.name!r}, {memory.schedule.n_microbatches} micro-batches); give one of them"
+        )
+    schedule = build("1f1b", n_stages, n_microbatches)
+    return MemorySetting(schedule) if memory is None else dataclasses.replace(memory, schedule=schedule)
+
+
+def _weights(costs: Sequence[LayerCost], by: By) -> list[float]:
+    """Per layer: what ``by`` counts of its load (``by="memory"`` is the memory model instead)."""
+    if by == "time":
+        missing = [c.name for c in costs if c.time is None]
+        if missing:
+            raise ValueError(
+                f"by='time' needs measured times, but {len(missing)} layers have none (first: {missing[0]!r}); "
+                "profile with time=True, or balance by 'flops'"
+            )
+        return [float(c.time or 0.0) for c in costs]
+    if by == "params":
+        return [float(c.params) for c in costs]
+    return [float(c.flops) for c in costs]
 
 
 def params_of(
@@ -102,16 +112,15 @@ def auto(
     by: By = "flops",
     speeds: Weights | None = None,
     capacities: Weights | None = None,
-    schedule: MemorySchedule = "1f1b",
-    n_microbatches: int = 1,
-    state_multiplier: float = 4.0,
+    memory: MemorySetting | None = None,
     device: torch.device | str | None = None,
-    holdings: Sequence[Sequence[Holding]] | None = None,
 ) -> Partition:
     """Profile ``model`` on one micro-batch ``sample`` and return the optimal partition.
 
     ``by="time"`` measures each layer on ``device`` (see :func:`profile`); the
-    other criteria work on the meta device. See :func:`balance_costs`.
+    other criteria work on the meta device. ``memory`` says what each stage
+    holds under which schedule, e.g. ``MemorySetting(build("1f1b",
+    n_stages, 16))``; see :func:`balance_costs`.
     """
     if by not in get_args(By):
         raise ValueError(f"unknown balance criterion by={by!r}; choose one of {list(get_args(By))}")
@@ -123,9 +132,6 @@ def auto(
         by=by,
         speeds=speeds,
         capacities=capacities,
-        schedule=schedule,
-        n_microbatches=n_microbatches,
-        state_multiplier=state_multiplier,
-        holdings=holdings,
+        memory=memory,
         shared=shared_parameters(layers),
     )

@@ -5,15 +5,11 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 from stagewise.partition.layers import SharedParameter
 from stagewise.partition.profile import LayerCost
 from stagewise.partition.shared_cost import Tie, check_ties
-from stagewise.schedule.holdings import Holding
-
-MemorySchedule = Literal["gpipe", "1f1b", "zero-bubble"]
-"""Schedules whose activation footprint has a closed form (see :func:`in_flight`)."""
+from stagewise.schedule import Holding, Schedule, peak_in_flight
 
 
 @dataclass(frozen=True)
@@ -108,62 +104,116 @@ class MemoryModel:
         )
 
 
-def in_flight(schedule: MemorySchedule, n_stages: int, n_microbatches: int) -> tuple[int, ...]:
-    """Micro-batches whose activations each stage holds at its peak.
+@dataclass(frozen=True)
+class MemorySetting:
+    """How :func:`~stagewise.partition.balance_costs` and :func:`~stagewise.partition.auto` count a stage's
+    memory: the arguments of :func:`memory_model` that do not come from the model.
 
-    GPipe runs every forward before any backward, so every stage holds all
-    ``m`` micro-batches. 1F1B lets stage ``s`` of ``p`` run at most ``p - s``
-    forwards ahead of its backwards, so it holds ``min(p - s, m)``.
-    Zero-bubble (``stagewise.pipeline``'s ZB-H1) holds a micro-batch until its
-    weight pass, which the input pass keeps the graph for, and defers those
-    by up to ``p - 1`` more: ``min(2p - 1 - s, m)``.
+    For 1F1B over 8 stages with 16 micro-batches and ``Pipeline``'s default
+    weight-gradient pool::
+
+        schedule = build("1f1b", 8, 16)
+        MemorySetting(schedule, holdings(schedule))
     """
-    if schedule not in get_args(MemorySchedule):
-        raise ValueError(
-            f"unknown schedule {schedule!r} for the memory model; choose one of {list(get_args(MemorySchedule))}"
+
+    schedule: Schedule | None = None
+    """The built schedule the stages run (``stagewise.schedule.build``), whose own actions say how many
+    micro-batches each stage holds; None: one each."""
+    holdings: tuple[tuple[Holding, ...], ...] | None = None
+    """``stagewise.schedule.holdings(schedule, ...)``: also count pooled weight gradients; None: only the
+    micro-batches in flight."""
+    state_multiplier: float = 4.0
+    """Copies of each parameter a stage keeps: 4 for fp32 Adam (weights, gradients and two moments), 2 for SGD."""
+
+    def model(self, costs: Sequence[LayerCost], n_stages: int, shared: Sequence[SharedParameter] = ()) -> MemoryModel:
+        """The :func:`memory_model` of ``costs`` over ``n_stages`` stages under this setting."""
+        if self.schedule is not None and self.schedule.n_stages != n_stages:
+            raise ValueError(
+                f"the memory setting's schedule {self.schedule.name!r} has {self.schedule.n_stages} stages but the "
+                f"partition has {n_stages}; build the schedule for {n_stages} stages"
+            )
+        return memory_model(
+            costs,
+            n_stages,
+            schedule=self.schedule,
+            holdings=self.holdings,
+            state_multiplier=self.state_multiplier,
+            shared=shared,
         )
-    if n_stages < 1:
-        raise ValueError(f"n_stages must be >= 1, got {n_stages}")
-    if n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-    if schedule == "gpipe":
-        return (n_microbatches,) * n_stages
-    ahead = 2 * n_stages - 1 if schedule == "zero-bubble" else n_stages
-    return tuple(min(ahead - s, n_microbatches) for s in range(n_stages))
+
+
+def _stages_in_flight(n_stages: int | None, schedule: Schedule | None) -> tuple[int, ...]:
+    """Per stage: the micro-batches whose activations it holds at its peak, as ``schedule`` runs them."""
+    if schedule is None:
+        if isinstance(n_stages, bool) or not isinstance(n_stages, int):
+            raise TypeError(
+                f"memory_model needs n_stages (an int) or schedule=stagewise.schedule.build(...), got n_stages="
+                f"{n_stages!r}"
+            )
+        if n_stages < 1:
+            raise ValueError(f"n_stages must be >= 1, got {n_stages}")
+        return (1,) * n_stages
+    if not isinstance(schedule, Schedule):
+        fix = f"build({schedule!r}, n_stages, n_microbatches)" if isinstance(schedule, str) else "build(...)"
+        raise TypeError(
+            f"schedule must be a built Schedule, got {type(schedule).__name__}: pass stagewise.schedule.{fix}"
+        )
+    if n_stages is not None and n_stages != schedule.n_stages:
+        raise ValueError(
+            f"n_stages={n_stages} but the schedule {schedule.name!r} has {schedule.n_stages} stages; leave n_stages "
+            "out, or build the schedule for that many"
+        )
+    return peak_in_flight(schedule)
 
 
 def memory_model(
     costs: Sequence[LayerCost],
-    n_stages: int,
+    n_stages: int | None = None,
     *,
-    schedule: MemorySchedule = "1f1b",
-    n_microbatches: int = 1,
-    state_multiplier: float = 4.0,
+    schedule: Schedule | None = None,
     holdings: Sequence[Sequence[Holding]] | None = None,
+    state_multiplier: float = 4.0,
     shared: Sequence[SharedParameter] = (),
 ) -> MemoryModel:
     """The memory model of profiled layers run under ``schedule``.
+
+    ``schedule`` is a built :class:`~stagewise.schedule.Schedule`, e.g.
+    ``build("1f1b", p, m)``: each stage holds the micro-batches its own
+    actions keep in flight at its peak (``stagewise.schedule.peak_in_flight``;
+    1F1B's stage ``s`` of ``p`` holds ``min(p - s, m)``, GPipe's ``m``,
+    zero-bubble's ``min(2p - 1 - s, m)``). Without one, each of ``n_stages``
+    stages holds one micro-batch; with one, ``n_stages`` may be left out.
 
     ``state_multiplier`` counts the copies of each parameter a stage keeps:
     4 for fp32 Adam (weights, gradients and two moments), 2 for plain SGD.
     Buffers are counted once; saved activations once per micro-batch in flight.
     ``holdings`` adds the weight gradients a pipeline pools
-    (:attr:`LayerCost.pooled_bytes`; under zero-bubble also the output
-    gradients its input pass keeps for its weight pass, :attr:`LayerCost.use_bytes`): pass
-    ``stagewise.schedule.holdings(schedule)`` for ``Pipeline``'s default;
+    (:attr:`LayerCost.pooled_bytes`; where the schedule splits its backward,
+    :attr:`~stagewise.schedule.Schedule.splits_backward`, also the output
+    gradients its input pass keeps for its weight pass, :attr:`LayerCost.use_bytes`):
+    pass ``stagewise.schedule.holdings(schedule)`` for ``Pipeline``'s default;
     without it only the micro-batches in flight count. ``shared`` lists the
     parameters layers share (:func:`~stagewise.partition.shared_parameters`),
     which a stage counts once however many of its layers use them.
+
+    Raises:
+        TypeError: ``schedule`` is not a built schedule (a name, say), or neither it nor ``n_stages`` is given.
+        ValueError: ``n_stages`` disagrees with the schedule, ``holdings`` come without their schedule, or
+            ``state_multiplier`` is negative or not finite.
     """
     if not 0 <= state_multiplier < math.inf:  # also refuses NaN
         raise ValueError(f"state_multiplier must be >= 0 and finite, got {state_multiplier}")
+    in_flight = _stages_in_flight(n_stages, schedule)
+    if holdings is not None and schedule is None:
+        raise ValueError(
+            "holdings come from a schedule: pass it too (schedule=...), so that a split backward's bytes count"
+        )
+    splits = schedule is not None and schedule.splits_backward
     return MemoryModel(
         fixed=tuple(c.param_bytes * state_multiplier + c.buffer_bytes for c in costs),
         activation=tuple(float(c.saved_bytes) for c in costs),
-        in_flight=in_flight(schedule, n_stages, n_microbatches),
-        pooled=tuple(float(c.pooled_bytes + (c.use_bytes if schedule == "zero-bubble" else 0)) for c in costs)
-        if holdings is not None
-        else (),
+        in_flight=in_flight,
+        pooled=() if holdings is None else tuple(float(c.pooled_bytes + (c.use_bytes if splits else 0)) for c in costs),
         holdings=() if holdings is None else tuple(tuple(moments) for moments in holdings),
         shared=tuple(float(c.shared_bytes) for c in costs),
         ties=tuple(Tie(tie.indices, tie.nbytes * state_multiplier) for tie in shared),

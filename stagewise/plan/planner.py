@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, get_args
 
-from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, Tie, balance, params_of
+from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, balance, memory_model, params_of
 from stagewise.plan.cluster import Cluster, Device
 from stagewise.plan.workload import Workload
-from stagewise.schedule import Kind, ScheduleName, StageCosts, build, holdings, peak_in_flight, simulate
+from stagewise.schedule import BUILDERS, Schedule, ScheduleName, StageCosts, build, holdings, simulate
 from stagewise.schedule.simulate import SimulationResult
 
 log = logging.getLogger(__name__)
-
-SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ def _layer_seconds(cost: LayerCost, flops_per_second: float) -> tuple[float, flo
 class _Setting:
     """One option made concrete: its schedule, per-layer costs at its micro-batch size, and its devices."""
 
-    schedule: Any
+    schedule: Schedule
     devices: list[Device]
     """Per pipeline rank: the weakest device among its replicas."""
     costs: list[LayerCost]
@@ -153,31 +152,63 @@ class _Setting:
     """Bytes the loss holds beyond the output-sized tensor counted as saved, on the last stage."""
 
 
-def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting | str:
-    """The concrete setting of ``option``, or why it cannot run."""
-    pp, dp, v, m = option.pp, option.dp, option.n_virtual, option.n_microbatches
-    n_stages = pp * v
+@functools.lru_cache(maxsize=256)
+def _schedule(name: ScheduleName, n_stages: int, n_microbatches: int, n_virtual: int) -> Schedule:
+    """:func:`~stagewise.schedule.build`, once per shape: :func:`candidates` and :func:`evaluate` ask for the same."""
+    return build(name, n_stages, n_microbatches, n_virtual=n_virtual)
+
+
+def _shape_error(option: Option, workload: Workload) -> str | None:
+    """Why ``option``'s shape cannot take ``workload``: more stages than layers, or a batch that does not divide."""
+    n_stages = option.pp * option.n_virtual
     if len(workload.costs) < n_stages:
         return f"{n_stages} stages for {len(workload.costs)} layers"
-    if workload.global_batch % dp:
-        return f"global batch {workload.global_batch} not divisible by dp={dp}"
-    local = workload.global_batch // dp
-    if local % m:
-        return f"batch {local} per replica not divisible by m={m}"
-    schedule = build(option.schedule, n_stages, m, n_virtual=v)
-    splits = any(action.kind is Kind.W for actions in schedule.ranks for action in actions)
-    factor = local // m / workload.profiled_batch
+    if workload.global_batch % option.dp:
+        return f"global batch {workload.global_batch} not divisible by dp={option.dp}"
+    local = workload.global_batch // option.dp
+    if local % option.n_microbatches:
+        return f"batch {local} per replica not divisible by m={option.n_microbatches}"
+    return None
+
+
+def _seconds(
+    costs: Sequence[LayerCost], fastest: float, checkpointing: bool, loss: tuple[float, float]
+) -> list[tuple[float, float]]:
+    """Per layer: forward and backward seconds on a device of ``fastest`` FLOP/s, backward with any recomputation;
+    the last layer also runs the loss, ``loss`` (forward, backward) seconds."""
+    seconds = []
+    for c in costs:
+        f, b = _layer_seconds(c, fastest)
+        seconds.append((f, b + f if checkpointing else b))
+    last_f, last_b = seconds[-1]
+    seconds[-1] = (last_f + loss[0], last_b + loss[1])
+    return seconds
+
+
+def _transient_error(transient: Sequence[float], have: Sequence[float], recompute: float, loss: float) -> str | None:
+    """Why computing one micro-batch (``transient`` bytes per stage) overflows a stage's ``have``, if it does."""
+    last = len(transient) - 1
+    for s, (need, own) in enumerate(zip(transient, have, strict=True)):
+        if need >= own:
+            what = "the loss" if s == last and need == recompute + loss else "one layer"
+            where = "the last stage" if s == last else f"stage {s}"
+            return f"{what} on one micro-batch needs {need / 2**30:.1f} GiB >= {own / 2**30:.1f} GiB on {where}"
+    return None
+
+
+def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting | str:
+    """The concrete setting of ``option``, or why it cannot run."""
+    why = _shape_error(option, workload)
+    if why is not None:
+        return why
+    pp, dp, v, m = option.pp, option.dp, option.n_virtual, option.n_microbatches
+    n_stages = pp * v
+    schedule = _schedule(option.schedule, n_stages, m, v)
+    factor = workload.global_batch // dp // m / workload.profiled_batch
     ckpt = option.activation_checkpointing
     costs = _scaled(workload.costs, factor, ckpt, workload.input_bytes * factor)
     devices = cluster.stage_devices(pp, dp)
     fastest = max(d.flops for d in devices)
-    seconds = []
-    for c in costs:
-        f, b = _layer_seconds(c, fastest)
-        seconds.append((f, b + f if ckpt else b))
-    loss_f, loss_b = workload.loss_seconds
-    last_f, last_b = seconds[-1]
-    seconds[-1] = (last_f + loss_f * factor, last_b + loss_b * factor)  # the last stage also runs the loss
     recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
     smallest = min(d.memory for d in devices) / v
     if recompute >= smallest:
@@ -187,30 +218,26 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     every = range(len(costs))
     last = _working(costs, every, recompute, loss_extra)
     transient = [_working(costs, every[:-1], recompute, 0.0)] * (n_stages - 1) + [last]  # only it has the last layer
-    for s in range(n_stages):
-        have = devices[schedule.rank_of(s)].memory / v
-        if transient[s] >= have:
-            what = "the loss" if s == n_stages - 1 and transient[s] == recompute + loss_extra else "one layer"
-            where = "the last stage" if s == n_stages - 1 else f"stage {s}"
-            need = f"{transient[s] / 2**30:.1f} GiB >= {have / 2**30:.1f} GiB"
-            return f"{what} on one micro-batch needs {need} on {where}"
+    have = [devices[schedule.rank_of(s)].memory / v for s in range(n_stages)]
+    why = _transient_error(transient, have, recompute, loss_extra)
+    if why is not None:
+        return why
+    loss_f, loss_b = workload.loss_seconds
     return _Setting(
         schedule=schedule,
         devices=devices,
         costs=costs,
-        seconds=seconds,
+        seconds=_seconds(costs, fastest, ckpt, (loss_f * factor, loss_b * factor)),
         speeds=[devices[schedule.rank_of(s)].flops / fastest for s in range(n_stages)],
-        memory=MemoryModel(
-            fixed=tuple(c.param_bytes * workload.state_multiplier + c.buffer_bytes for c in costs),
-            activation=tuple(float(c.saved_bytes) for c in costs),
-            in_flight=peak_in_flight(schedule),
-            # A split backward keeps, from I to W, the pooled linears' bytes and the other uses' output gradients.
-            pooled=tuple(float(c.pooled_bytes + (c.use_bytes if splits else 0)) for c in costs),
-            holdings=holdings(schedule, checkpointing=ckpt),  # with Pipeline's default weight-gradient pool
-            shared=tuple(float(c.shared_bytes) for c in costs),
-            ties=tuple(Tie(tie.indices, tie.nbytes * workload.state_multiplier) for tie in workload.shared),
+        # What the schedule's own actions hold, with Pipeline's default weight-gradient pool.
+        memory=memory_model(
+            costs,
+            schedule=schedule,
+            holdings=holdings(schedule, checkpointing=ckpt),
+            state_multiplier=workload.state_multiplier,
+            shared=workload.shared,
         ),
-        capacities=[devices[schedule.rank_of(s)].memory / v - transient[s] for s in range(n_stages)],
+        capacities=[own - t for own, t in zip(have, transient, strict=True)],
         transient=transient,
         recompute=recompute,
         loss_extra=loss_extra,
@@ -233,16 +260,12 @@ def _gib(need: float, have: float) -> tuple[str, str]:
     return pair
 
 
-def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
-    """The partition, simulated step time and memory of ``option``; or why it cannot run."""
-    setting = _setting(option, workload, cluster)
-    if isinstance(setting, str):
-        return dataclasses.replace(option, rejected=setting)
-    sched, costs, seconds, pp, dp = setting.schedule, setting.costs, setting.seconds, option.pp, option.dp
-    n_stages = sched.n_stages
-    weights = [f + b for f, b in seconds]
+def _balanced(option: Option, setting: _Setting, weights: Sequence[float]) -> Partition | Option:
+    """The fastest partition of ``weights`` within each stage's memory; or ``option`` rejected, naming the stage
+    that overflows its own device in the leanest split."""
+    n_stages = setting.schedule.n_stages
     try:
-        part = balance(weights, n_stages, speeds=setting.speeds, memory=setting.memory, capacities=setting.capacities)
+        return balance(weights, n_stages, speeds=setting.speeds, memory=setting.memory, capacities=setting.capacities)
     except CapacityError:
         # The split that uses the least of each stage's own device, and the stage that overflows in it.
         lean = balance(setting.memory, n_stages, speeds=setting.capacities)
@@ -254,45 +277,82 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
         # A rank of v such stages; it computes one micro-batch at a time, so holds the transient once.
         rank = lean.loads[worst] * option.n_virtual + setting.transient[worst]
         return dataclasses.replace(option, rejected=reason, rank_memory=(rank,))
-    b = part.bounds
-    stage = [range(b[s], b[s + 1]) for s in range(n_stages)]
-    speeds = setting.speeds
-    boundary = [costs[b[s + 1] - 1].output_bytes for s in range(max(n_stages - 1, 1))]
-    stage_costs = StageCosts.of(
+
+
+def _stage_costs(setting: _Setting, stages: Sequence[range], cluster: Cluster) -> StageCosts:
+    """What each stage of the partition ``stages`` costs per micro-batch: compute, transfer, activations kept."""
+    seconds, speeds, n_stages = setting.seconds, setting.speeds, len(stages)
+    boundary = [setting.costs[stages[s].stop - 1].output_bytes for s in range(max(n_stages - 1, 1))]
+    return StageCosts.of(
         n_stages,
-        forward=[sum(seconds[i][0] for i in r) / speeds[s] for s, r in enumerate(stage)],
-        backward=[sum(seconds[i][1] for i in r) / speeds[s] for s, r in enumerate(stage)],
+        forward=[sum(seconds[i][0] for i in r) / speeds[s] for s, r in enumerate(stages)],
+        backward=[sum(seconds[i][1] for i in r) / speeds[s] for s, r in enumerate(stages)],
         transfer=[cluster.link_latency + x / cluster.link_bandwidth for x in boundary] if n_stages > 1 else 0.0,
-        activation_bytes=[setting.memory.kept(r.start, r.stop) for r in stage],
+        activation_bytes=[setting.memory.kept(r.start, r.stop) for r in stages],
     )
-    result = simulate(sched, stage_costs)
-    devices = setting.devices
-    # Each rank's layers over all its stages: Pipeline keeps one copy of a tied parameter per rank.
-    rank_layers = [frozenset(i for s in sched.stages_of(r) for i in stage[s]) for r in range(pp)]
-    rank_params = [params_of(costs, workload.shared, layers, nbytes=True) for layers in rank_layers]
-    allreduce = max(2 * (dp - 1) / dp * x / cluster.network_bandwidth for x in rank_params)
+
+
+def _allreduce_seconds(rank_params: Sequence[int], dp: int, cluster: Cluster) -> float:
+    """DDP's ring all-reduce of the largest rank's gradients (``rank_params`` bytes per rank) over ``dp`` replicas."""
+    return max(2 * (dp - 1) / dp * x / cluster.network_bandwidth for x in rank_params)
+
+
+def _optimizer_seconds(rank_params: Sequence[int], devices: Sequence[Device], workload: Workload) -> float:
+    """The slowest rank's optimizer step: measured per parameter, or its state read and written at memory speed."""
     per_param = workload.optimizer_seconds_per_param
-    optimizer = max(
+    return max(
         x / 4 * per_param if per_param is not None else x * workload.state_multiplier * 3 / d.memory_bandwidth
         for x, d in zip(rank_params, devices, strict=True)
     )
+
+
+def _tie_seconds(part: Partition, schedule: Schedule, workload: Workload, cluster: Cluster) -> float:
+    """Summing the gradients of each tied parameter over the ranks that hold it."""
     ties = 0.0
     for tie in workload.shared:
-        holders = {sched.rank_of(part.stage_of(i)) for i in tie.indices}
+        holders = {schedule.rank_of(part.stage_of(i)) for i in tie.indices}
         if len(holders) > 1:
             k = len(holders)
             ties += cluster.link_latency + 2 * (k - 1) / k * tie.nbytes / cluster.link_bandwidth
-    step = result.step_time + allreduce + optimizer + ties
-    memory = setting.memory  # held for backward: micro-batches in flight, and pooled weight gradients
-    fixed = [memory.fixed_bytes(layers) for layers in rank_layers]
-    acts = [
-        sum(memory.stage_bytes(s, b[s], b[s + 1]) - memory.fixed_bytes(stage[s]) for s in sched.stages_of(r))
+    return ties
+
+
+def _rank_activation(setting: _Setting, stages: Sequence[range]) -> list[float]:
+    """Per rank: the bytes its stages hold for backward at their fullest (micro-batches in flight and pooled weight
+    gradients) plus the most that computing one micro-batch holds on top."""
+    memory, schedule, last = setting.memory, setting.schedule, len(stages) - 1
+    return [
+        sum(memory.stage_bytes(s, stages[s].start, stages[s].stop) - memory.fixed_bytes(stages[s]) for s in mine)
         + max(  # a rank computes one micro-batch at a time
-            _working(costs, stage[s], setting.recompute, setting.loss_extra if s == n_stages - 1 else 0.0)
-            for s in sched.stages_of(r)
+            _working(setting.costs, stages[s], setting.recompute, setting.loss_extra if s == last else 0.0)
+            for s in mine
         )
-        for r in range(pp)
+        for mine in (schedule.stages_of(r) for r in range(schedule.n_ranks))
     ]
+
+
+def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
+    """The partition, simulated step time and memory of ``option``; or why it cannot run."""
+    setting = _setting(option, workload, cluster)
+    if isinstance(setting, str):
+        return dataclasses.replace(option, rejected=setting)
+    part = _balanced(option, setting, [f + b for f, b in setting.seconds])
+    if isinstance(part, Option):
+        return part
+    sched, b = setting.schedule, part.bounds
+    stages = [range(b[s], b[s + 1]) for s in range(sched.n_stages)]
+    result = simulate(sched, _stage_costs(setting, stages, cluster))
+    # Each rank's layers over all its stages: Pipeline keeps one copy of a tied parameter per rank.
+    rank_layers = [frozenset(i for s in sched.stages_of(r) for i in stages[s]) for r in range(option.pp)]
+    rank_params = [params_of(setting.costs, workload.shared, layers, nbytes=True) for layers in rank_layers]
+    step = (
+        result.step_time
+        + _allreduce_seconds(rank_params, option.dp, cluster)
+        + _optimizer_seconds(rank_params, setting.devices, workload)
+        + _tie_seconds(part, sched, workload, cluster)
+    )
+    fixed = [setting.memory.fixed_bytes(layers) for layers in rank_layers]
+    acts = _rank_activation(setting, stages)
     return dataclasses.replace(
         option,
         partition=part,
@@ -305,6 +365,29 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     )
 
 
+_ONE_STAGE: ScheduleName = "1f1b"
+"""What a single stage runs: with one stage every schedule is the same gradient accumulation."""
+_VIRTUAL = 2
+"""Stages per rank that a :attr:`~stagewise.schedule.Builder.virtual` (interleaved) schedule is tried with."""
+
+
+def _layouts(pp: int, m: int) -> list[tuple[ScheduleName, int, bool]]:
+    """(schedule, stages per rank, activation checkpointing) worth trying with ``pp`` ranks and ``m`` micro-batches:
+    every built-in schedule that takes that shape (the builders say which run several stages per rank)."""
+    out = []
+    for name in get_args(ScheduleName):
+        if pp == 1 and name != _ONE_STAGE:
+            continue
+        v = _VIRTUAL if BUILDERS[name].virtual else 1
+        try:
+            schedule = _schedule(name, pp * v, m, v)
+        except ValueError:  # a shape the schedule cannot take (interleaved: m a multiple of pp)
+            continue
+        # A split backward (zero-bubble) does not combine with checkpointing: Pipeline refuses it.
+        out += [(name, v, ckpt) for ckpt in ((False,) if schedule.splits_backward else (False, True))]
+    return out
+
+
 def candidates(n_devices: int, n_layers: int, global_batch: int, *, max_microbatches: int = 64) -> list[Option]:
     """Every layout worth simulating on ``n_devices``: pp x dp = n_devices, m, schedule, checkpointing."""
     out = []
@@ -314,15 +397,7 @@ def candidates(n_devices: int, n_layers: int, global_batch: int, *, max_microbat
         top = min(local, max_microbatches)
         ms = [m for m in range(1, top + 1) if local % m == 0 and (m & (m - 1) == 0 or m == top)]
         for m in ms or [1]:
-            for schedule in SCHEDULES:
-                v = 2 if schedule == "interleaved-1f1b" else 1
-                if v > 1 and (pp == 1 or m % pp):
-                    continue
-                if pp == 1 and schedule != "1f1b":
-                    continue  # one stage: every schedule is the same gradient accumulation
-                # A split backward (zero-bubble) does not combine with checkpointing: Pipeline refuses it.
-                for ckpt in (False,) if schedule == "zero-bubble" else (False, True):
-                    out.append(Option(pp, dp, v, m, schedule, ckpt))
+            out += [Option(pp, dp, v, m, name, ckpt) for name, v, ckpt in _layouts(pp, m)]
     return out
 
 

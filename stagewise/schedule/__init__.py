@@ -1,7 +1,7 @@
 """Schedules as pure data: actions, builders, dependencies, validation, simulation, holdings, pictures; no torch."""
 
 from stagewise.schedule.actions import Action, Kind, Schedule
-from stagewise.schedule.builders import ScheduleName, build
+from stagewise.schedule.builders import BUILDERS, Builder, ScheduleName, build
 from stagewise.schedule.dependencies import Event, ScheduleError
 from stagewise.schedule.holdings import FREE, Holding, Pool, Pooling, PoolPolicy, free_pool, holdings, rank_pool
 from stagewise.schedule.render import render, to_chrome_trace
@@ -10,8 +10,10 @@ from stagewise.schedule.spans import Span
 from stagewise.schedule.validate import ScheduleReport, peak_in_flight, validate
 
 __all__ = [
+    "BUILDERS",
     "FREE",
     "Action",
+    "Builder",
     "Event",
     "Holding",
     "Kind",

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal, get_args
 
 from stagewise.schedule.actions import Action, Kind, Schedule
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
-"""The schedules :func:`build` knows."""
+"""The schedules :func:`build` knows, each with its :class:`Builder` in :data:`BUILDERS`."""
 
 
 def gpipe(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
@@ -116,36 +118,63 @@ def zero_bubble(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
     return ranks
 
 
-_BUILDERS: dict[str, Callable[[int, int, int], list[list[Action]]]] = {
-    "gpipe": lambda p, v, m: gpipe(p, m),
-    "1f1b": lambda p, v, m: one_f_one_b(p, m),
-    "interleaved-1f1b": interleaved_one_f_one_b,
-    "zero-bubble": lambda p, v, m: zero_bubble(p, m),
-}
+@dataclass(frozen=True)
+class Builder:
+    """One built-in schedule: how it orders each rank's actions, and the shapes it takes.
+
+    What a schedule holds and whether it splits its backward are not stated
+    here: they are read off a built :class:`Schedule`
+    (``stagewise.schedule.peak_in_flight``, ``holdings``,
+    :attr:`Schedule.splits_backward`).
+    """
+
+    order: Callable[[int, int, int], list[list[Action]]]
+    """(ranks, stages per rank, micro-batches) -> each rank's actions, in order."""
+    virtual: bool = False
+    """True: it runs ``n_virtual >= 2`` stages per rank, and a multiple of the rank count of micro-batches
+    (interleaved); False: one stage per rank, any number of micro-batches."""
+
+
+BUILDERS: Mapping[ScheduleName, Builder] = MappingProxyType(
+    {
+        "gpipe": Builder(lambda p, v, m: gpipe(p, m)),
+        "1f1b": Builder(lambda p, v, m: one_f_one_b(p, m)),
+        "interleaved-1f1b": Builder(interleaved_one_f_one_b, virtual=True),
+        "zero-bubble": Builder(lambda p, v, m: zero_bubble(p, m)),
+    }
+)
+"""Every :data:`ScheduleName` with its builder: the one place a built-in schedule is defined."""
 
 
 def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: int = 1) -> Schedule:
     """The schedule ``name`` for ``n_stages`` stages and ``n_microbatches`` micro-batches.
 
     ``n_virtual`` is the number of stages per rank, so the pipeline has
-    ``n_stages // n_virtual`` ranks; only "interleaved-1f1b" takes more than 1.
+    ``n_stages // n_virtual`` ranks; only a :attr:`Builder.virtual` schedule
+    ("interleaved-1f1b") takes more than 1, and needs more.
 
     Raises:
         ValueError: an unknown name, or counts the schedule cannot take; the
             message gives the values and what would fit.
     """
-    if name not in _BUILDERS:
+    if name not in BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(get_args(ScheduleName))}")
     for field, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{field} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{field} must be >= 1, got {value}")
-    if name == "interleaved-1f1b":
+    builder = BUILDERS[name]
+    _check_shape(name, builder, n_stages, n_microbatches, n_virtual)
+    ranks = builder.order(n_stages // n_virtual, n_virtual, n_microbatches)
+    return Schedule(name, n_stages, n_microbatches, tuple(tuple(r) for r in ranks))
+
+
+def _check_shape(name: str, builder: Builder, n_stages: int, n_microbatches: int, n_virtual: int) -> None:
+    """Refuse, with what would fit, the counts that ``builder`` cannot take."""
+    if builder.virtual:
         if n_virtual < 2:
-            raise ValueError(
-                f"interleaved-1f1b needs n_virtual >= 2 stages per rank, got {n_virtual}; use '1f1b' for one"
-            )
+            raise ValueError(f"{name} needs n_virtual >= 2 stages per rank, got {n_virtual}; use '1f1b' for one")
     elif n_virtual != 1:
         raise ValueError(f"{name} runs one stage per rank; got n_virtual={n_virtual}. Use 'interleaved-1f1b'")
     if n_stages % n_virtual:
@@ -154,11 +183,9 @@ def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: 
             f"each of the n_stages / n_virtual ranks holds n_virtual stages"
         )
     n_ranks = n_stages // n_virtual
-    if name == "interleaved-1f1b" and n_microbatches % n_ranks:
+    if builder.virtual and n_microbatches % n_ranks:
         fits = n_ranks * max(1, round(n_microbatches / n_ranks))
         raise ValueError(
-            f"interleaved-1f1b needs n_microbatches to be a multiple of the number of ranks "
+            f"{name} needs n_microbatches to be a multiple of the number of ranks "
             f"({n_ranks} = {n_stages} stages / {n_virtual} per rank), got {n_microbatches}; try {fits}"
         )
-    ranks = _BUILDERS[name](n_ranks, n_virtual, n_microbatches)
-    return Schedule(name, n_stages, n_microbatches, tuple(tuple(r) for r in ranks))

@@ -1,4 +1,4 @@
-"""The memory model: in-flight micro-batches per schedule, and bytes per stage."""
+"""The memory model: in-flight micro-batches from the schedule's own actions, and bytes per stage."""
 
 from __future__ import annotations
 
@@ -14,20 +14,20 @@ from stagewise.partition import (
     CapacityError,
     LayerCost,
     MemoryModel,
+    MemorySetting,
     Tie,
     balance,
     balance_costs,
-    in_flight,
     layers_of,
     memory_model,
     params_of,
     profile,
     shared_parameters,
 )
-from stagewise.schedule import Holding, build, peak_in_flight
+from stagewise.schedule import Holding, Schedule, build, holdings, peak_in_flight
 
 
-def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0) -> LayerCost:
+def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0, use: int = 0) -> LayerCost:
     return LayerCost(
         name=name,
         params=param_bytes // 4,
@@ -39,7 +39,13 @@ def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int
         saved_bytes=saved,
         time=None,
         pooled_bytes=pooled,
+        use_bytes=use,
     )
+
+
+def in_flight(name: str, p: int, m: int) -> tuple[int, ...]:
+    """What the memory model counts per stage under the built schedule ``name``."""
+    return memory_model([cost("a", 4, 0, 1)], schedule=build(name, p, m)).in_flight  # type: ignore[arg-type]
 
 
 def test_in_flight_per_schedule() -> None:
@@ -47,27 +53,77 @@ def test_in_flight_per_schedule() -> None:
     assert in_flight("1f1b", 4, 8) == (4, 3, 2, 1)
     assert in_flight("1f1b", 4, 2) == (2, 2, 2, 1)
     assert in_flight("zero-bubble", 3, 8) == (5, 4, 3)  # held until the weight pass, which comes p - 1 later
-    for p, m in ((1, 1), (2, 4), (3, 2), (4, 5), (4, 8), (3, 12)):  # what the schedules themselves hold
-        for name in ("gpipe", "1f1b", "zero-bubble"):
-            assert in_flight(name, p, m) == peak_in_flight(build(name, p, m)), (name, p, m)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 12, 16])
+def test_the_schedules_own_counts_are_the_textbook_ones(p: int, m: int) -> None:
+    # What the closed forms said before the memory model read the schedules: 1F1B stage s of p holds
+    # min(p - s, m), GPipe all m, zero-bubble min(2p - 1 - s, m) (until the weight pass, p - 1 later).
+    textbook = {
+        "gpipe": tuple(m for _ in range(p)),
+        "1f1b": tuple(min(p - s, m) for s in range(p)),
+        "zero-bubble": tuple(min(2 * p - 1 - s, m) for s in range(p)),
+    }
+    for name, counts in textbook.items():
+        assert in_flight(name, p, m) == peak_in_flight(build(name, p, m)) == counts, (name, p, m)  # type: ignore[arg-type]
+
+
+def test_without_a_schedule_each_stage_holds_one_micro_batch() -> None:
+    assert memory_model([cost("a", 4, 0, 1)], 3).in_flight == (1, 1, 1) == in_flight("1f1b", 3, 1)
 
 
 @pytest.mark.parametrize(
-    ("args", "pattern"),
+    ("kwargs", "error", "pattern"),
     [
-        (("pipedream", 2, 2), r"unknown schedule 'pipedream'.*'gpipe', '1f1b', 'zero-bubble'"),
-        (("1f1b", 0, 2), r"n_stages must be >= 1, got 0"),
-        (("1f1b", 2, 0), r"n_microbatches must be >= 1, got 0"),
+        ({"schedule": "1f1b"}, TypeError, r"schedule must be a built Schedule, got str: pass "
+         r"stagewise.schedule.build\('1f1b', n_stages, n_microbatches\)"),
+        ({}, TypeError, r"memory_model needs n_stages \(an int\) or schedule=stagewise.schedule.build"),
+        ({"n_stages": 0}, ValueError, r"n_stages must be >= 1, got 0"),
+        ({"n_stages": 3, "schedule": build("1f1b", 2, 4)}, ValueError,
+         r"n_stages=3 but the schedule '1f1b' has 2 stages; leave n_stages out"),
+        ({"n_stages": 1, "holdings": ((Holding(1),),)}, ValueError, r"holdings come from a schedule: pass it too"),
     ],
-)
-def test_in_flight_bad_input(args: tuple[str, int, int], pattern: str) -> None:
-    with pytest.raises(ValueError, match=pattern):
-        in_flight(*args)  # type: ignore[arg-type]
+)  # fmt: skip
+def test_memory_model_refuses_what_is_not_a_schedule(kwargs: dict[str, object], error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        memory_model([cost("a", 4, 0, 1)], **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"n_microbatches must be >= 1, got 0"):
+        build("1f1b", 2, 0)
+
+
+def test_a_split_backward_also_keeps_its_output_gradients() -> None:
+    # Read off the schedule (splits_backward), not its name: zero-bubble's I keeps what its W starts from.
+    costs = [cost("a", 0, 0, 100, pooled=60, use=7), cost("b", 0, 0, 50, pooled=80, use=9)]
+    split = build("zero-bubble", 2, 4)
+    whole = build("1f1b", 2, 4)
+    assert split.splits_backward and not whole.splits_backward
+    assert memory_model(costs, schedule=split, holdings=holdings(split)).pooled == (67.0, 89.0)
+    assert memory_model(costs, schedule=whole, holdings=holdings(whole)).pooled == (60.0, 80.0)
+    assert memory_model(costs, schedule=split).pooled == ()  # without holdings only the micro-batches in flight
+    # A schedule read from text splits its backward the same way, whatever it is called.
+    custom = Schedule.from_text(split.to_text(), name="mine")
+    assert memory_model(costs, schedule=custom, holdings=holdings(custom)).pooled == (67.0, 89.0)
+
+
+def test_balance_costs_takes_its_memory_setting() -> None:
+    costs = [cost(n, 40, 0, 100) for n in "abcd"]
+    schedule = build("1f1b", 2, 8)
+    given = balance_costs(costs, 2, by="memory", memory=MemorySetting(schedule))
+    assert given == balance_costs(costs, 2, by="memory", n_microbatches=8)  # short for 1F1B over the stages
+    assert given.loads == (2 * 160 + 2 * 200, 2 * 160 + 1 * 200)  # two layers each; stage 0 holds two micro-batches
+    assert balance_costs(costs, 2, by="memory").loads == (2 * 160 + 200, 2 * 160 + 200)  # one micro-batch each
+    with pytest.raises(ValueError, match=r"n_microbatches=4 is short for a 1F1B schedule, but memory already has"):
+        balance_costs(costs, 2, memory=MemorySetting(schedule), n_microbatches=4)
+    with pytest.raises(ValueError, match=r"schedule '1f1b' has 2 stages but the partition has 4; build the schedule"):
+        balance_costs(costs, 4, memory=MemorySetting(schedule))
+    with pytest.raises(ValueError, match=r"state_multiplier must be >= 0 and finite, got -1"):
+        balance_costs(costs, 2, memory=MemorySetting(state_multiplier=-1.0))
 
 
 def test_memory_model_counts_state_buffers_and_activations() -> None:
     costs = [cost("a", 400, 8, 100), cost("b", 800, 0, 50)]
-    model = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=4.0)
+    model = memory_model(costs, schedule=build("1f1b", 2, 8), state_multiplier=4.0)
     assert model.fixed == (1608.0, 3200.0)
     assert model.activation == (100.0, 50.0)
     assert model.in_flight == (2, 1)
@@ -100,11 +156,11 @@ def test_a_stage_needs_its_fullest_moment() -> None:
     # Stage 1 of 1F1B on 2 ranks pooling 2 backwards: one in flight and one pooled, or two pooled at the flush.
     costs = [cost("a", 0, 0, 100, 60), cost("b", 0, 0, 50, 80), cost("c", 0, 0, 30, 0)]
     moments = ((Holding(2),), (Holding(1, 1), Holding(0, 2)))
-    model = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0, holdings=moments)
+    model = memory_model(costs, schedule=build("1f1b", 2, 8), state_multiplier=0.0, holdings=moments)
     assert model.stage_bytes(0, 0, 3) == 2 * 180  # stage 0 pools nothing
     assert model.stage_bytes(1, 0, 3) == max(180 + 140, 2 * 140)
     assert model.stage_bytes(1, 1, 2) == max(50 + 80, 2 * 80)  # b alone: two pooled backwards are the fuller moment
-    plain = memory_model(costs, 2, schedule="1f1b", n_microbatches=8, state_multiplier=0.0)
+    plain = memory_model(costs, schedule=build("1f1b", 2, 8), state_multiplier=0.0)
     assert (plain.pooled, plain.holdings, plain.stage_bytes(1, 0, 3)) == ((), (), 180)
 
 
@@ -156,7 +212,7 @@ def test_ties_round_like_the_sizes_they_come_from() -> None:
     model[2].weight, model[2].bias = model[0].weight, model[0].bias
     costs = profile(model, torch.zeros(2, 6, device="meta"))
     shared = shared_parameters(layers_of(model))
-    part = balance_costs(costs, 2, state_multiplier=1.3, capacities=[1e9, 1e9], shared=shared)
+    part = balance_costs(costs, 2, memory=MemorySetting(state_multiplier=1.3), capacities=[1e9, 1e9], shared=shared)
     assert part.params == (42, 42)
     # Indices from numpy are whole numbers too.
     assert balance([4.0, 1.0, 4.0], 1, ties=[Tie((np.int64(0), np.int64(2)), 1.0)]).loads == (8.0,)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.planner import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.workload import Workload, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
+from stagewise.schedule import BUILDERS, ScheduleName
+from stagewise.schedule import build as build_schedule
 
 GiB = 2**30
 
@@ -190,6 +193,19 @@ def test_candidates_never_pair_zero_bubble_with_checkpointing() -> None:
     assert any(o.schedule == "zero-bubble" for o in options)
     assert not any(o.schedule == "zero-bubble" and o.activation_checkpointing for o in options)
     assert any(o.schedule == "1f1b" and o.activation_checkpointing for o in options)
+
+
+def test_candidates_try_every_built_in_schedule_as_its_builder_says() -> None:
+    # The planner has no list of its own: each ScheduleName is tried, the interleaved one (a virtual builder) with
+    # two stages per rank and a multiple of pp micro-batches, a split backward never with checkpointing.
+    options = candidates(8, 24, 64)
+    assert {o.schedule for o in options} == set(get_args(ScheduleName))
+    for o in options:
+        assert o.n_virtual == (2 if BUILDERS[o.schedule].virtual else 1), o
+        assert not BUILDERS[o.schedule].virtual or (o.pp > 1 and o.n_microbatches % o.pp == 0), o
+        split = build_schedule(o.schedule, o.pp * o.n_virtual, o.n_microbatches, n_virtual=o.n_virtual).splits_backward
+        assert not (split and o.activation_checkpointing), o
+        assert o.pp > 1 or o.schedule == "1f1b", o  # one stage: one schedule
 
 
 def test_a_plan_counts_sgds_momentum_and_train_takes_its_optimizer(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import get_args
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from stagewise.schedule import Kind, SimulationResult, StageCosts, build, simulate, validate
+from stagewise.schedule import BUILDERS, Kind, ScheduleName, SimulationResult, StageCosts, build, simulate, validate
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
@@ -138,3 +139,14 @@ def test_transfer_time_only_lengthens_the_step(p: int, m: int, name: str) -> Non
     fast = simulate(schedule, split_unit(p))
     slow = simulate(schedule, StageCosts.of(p, forward=1.0, input_grad=1.0, weight_grad=1.0, transfer=0.5))
     assert slow.step_time >= fast.step_time + 2 * 0.5 * (p - 1) - 1e-9
+
+
+def test_every_schedule_name_has_its_builder() -> None:
+    # One definition per schedule: the name list and the builders are the same set, in the same order.
+    assert tuple(BUILDERS) == get_args(ScheduleName)
+    for name, builder in BUILDERS.items():
+        shape = (4, 2, 2) if builder.virtual else (2, 2, 1)  # stages, micro-batches, stages per rank
+        schedule = build(name, shape[0], shape[1], n_virtual=shape[2])
+        assert (schedule.name, schedule.n_virtual) == (name, shape[2])
+        with pytest.raises(ValueError, match=r"needs n_virtual >= 2|runs one stage per rank"):
+            build(name, 4, 2, n_virtual=1 if builder.virtual else 2)
