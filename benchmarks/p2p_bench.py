@@ -71,8 +71,9 @@ def worker(sizes_kib: list[int], repeats: int, block: int) -> list[dict[str, flo
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=120)
     rank = mesh.rank
-    transport = Transport(timeout=120, dedicated=True, streams=4)  # as Pipeline makes it (streams 2, 3: its own)
-    over_gloo = Transport(timeout=120, dedicated=True, streams=4, shared_memory=False)
+    # Dedicated, as Pipeline makes it; streams 0 and 1 for the plain round trip, 2 and 3 for the pipeline-style one.
+    transport = Transport(timeout=120.0, dedicated=True, streams=4)
+    over_gloo = Transport(timeout=120.0, dedicated=True, streams=4, shared_memory=False)
     rows = []
     for kib in sizes_kib:
         t = torch.randn(kib * 1024 // 4)
