@@ -160,7 +160,7 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
 
 
-def _attempt_store(world: int, timeout: timedelta) -> Store | None:
+def _attempt_store(world: int, timeout: float) -> Store | None:
     """Under torchrun's agent store, a store whose keys belong to this restart attempt alone.
 
     After a restart the agent hands the new workers the same store as the
@@ -171,7 +171,9 @@ def _attempt_store(world: int, timeout: timedelta) -> Store | None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return None
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    client = TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world, is_master=False, timeout=timeout)
+    client = TCPStore(
+        os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world, is_master=False, timeout=timedelta(seconds=timeout)
+    )
     return PrefixStore(f"stagewise/attempt_{attempt}", client)
 
 
@@ -206,8 +208,8 @@ def _world() -> dist.ProcessGroup:
     return group
 
 
-def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: timedelta, *, world: bool) -> DeviceMesh:
-    """The ("pp", "dp") DeviceMesh over groups whose waits are bounded by ``wait``.
+def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: float, *, world: bool) -> DeviceMesh:
+    """The ("pp", "dp") DeviceMesh over groups whose waits are bounded by ``wait`` seconds.
 
     ``init_device_mesh`` gives a dimension that is not the whole world a group with torch's default timeout
     (30 minutes), so its collectives (the loss broadcast, DDP's all-reduce) would not time out when the
@@ -221,7 +223,7 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: t
             mine.append(_world())
             continue
         for ranks in lines:  # every rank makes every group, in the same order
-            group = dist.new_group(ranks, timeout=wait, backend=backend)
+            group = dist.new_group(ranks, timeout=timedelta(seconds=wait), backend=backend)
             if rank in ranks:
                 mine.append(group)
     return DeviceMesh.from_group(mine, device.type, mesh=grid, mesh_dim_names=("pp", "dp"))
@@ -277,12 +279,12 @@ def _backend_and_device(backend: Backend | None, world: int) -> tuple[Backend, t
     return chosen, device
 
 
-def _init_default_group(backend: Backend, device: torch.device, world: int, rank: int, wait: timedelta) -> None:
-    """Initialise the default process group, its rendezvous bounded by ``wait`` (torch's takes the group's)."""
+def _init_default_group(backend: Backend, device: torch.device, world: int, rank: int, wait: float) -> None:
+    """Initialise the default process group, its rendezvous bounded by ``wait`` seconds (torch's takes the group's)."""
     store = _attempt_store(world, wait)
     dist.init_process_group(
         backend,
-        timeout=wait,
+        timeout=timedelta(seconds=wait),
         device_id=device if backend == "nccl" else None,
         store=store,
         rank=rank if store is not None else -1,
@@ -317,7 +319,6 @@ def init_mesh(
         ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
     """
     seconds = checked_timeout(timeout)
-    wait = timedelta(seconds=seconds)
     if backend not in (None, *get_args(Backend)):
         raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
     world, rank = _joined()
@@ -325,8 +326,8 @@ def init_mesh(
     chosen, device = _backend_and_device(backend, world)
     made = not dist.is_initialized()
     if made:
-        _init_default_group(chosen, device, world, rank, wait)
-    mesh = _device_mesh(layout, device, chosen, wait, world=made)
+        _init_default_group(chosen, device, world, rank, seconds)
+    mesh = _device_mesh(layout, device, chosen, seconds, world=made)
     result = PipelineMesh(mesh, layout, rank, device, chosen, seconds)
     log.info("%s", result.describe())
     return result

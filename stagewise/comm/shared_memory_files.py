@@ -1,5 +1,4 @@
-"""The shared-memory wire's files in /dev/shm: named after their owner, removed at its exit or, once it is gone, by
-the next wire's start."""
+"""The shared-memory wire's files in /dev/shm: named after their owner process, removed when it is gone."""
 
 from __future__ import annotations
 
