@@ -176,7 +176,7 @@ class _AccumulatingLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # noqa: PLR0917  # autograd passes a Function's inputs positionally
+    def forward(  # autograd passes a Function's inputs positionally
         ctx: FunctionCtx,
         x: torch.Tensor,
         weight: torch.Tensor,
