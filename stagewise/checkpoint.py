@@ -266,19 +266,7 @@ def _optimizer_keys(pipe: Pipeline, stored: Mapping[str, Any]) -> dict[nn.Parame
     return wanted
 
 
-def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> Progress:
-    """Load a checkpoint saved with any split into this pipeline (and optimizer); every rank calls it.
-
-    Each rank reads only its own parameters' entries. The model must be the
-    same: missing or unexpected keys and shape mismatches are a
-    :class:`CheckpointError` naming them. The RNG state is restored when
-    this rank saved one. Returns the progress to resume from.
-    """
-    path = Path(path)
-    reader = SafeReader(path)
-    stored = reader.read_metadata().state_dict_metadata
-    model_state = pipe.state_dict()
-    _check_keys(model_state, pipe.model_keys, stored, path)
+def _check_shapes(model_state: Mapping[str, torch.Tensor], stored: Mapping[str, Any], path: Path) -> None:
     for name, tensor in model_state.items():
         size = getattr(stored[MODEL + name], "size", None)
         if size is not None and tuple(size) != tuple(tensor.shape):
@@ -286,9 +274,28 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
                 f"the checkpoint {path} holds {name} with shape {tuple(size)}, but this model's is "
                 f"{tuple(tensor.shape)}; load a checkpoint of the same model"
             )
-    state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
+
+
+@dataclass
+class _Reading:
+    """What one rank reads from a checkpoint: the buffers DCP fills, and where their values go afterwards."""
+
+    state: dict[str, Any]
+    """DCP's keys -> buffers to read into (the model's own tensors where they can be read in place)."""
+    ties: list[list[str]]
+    """The stored names of each tied parameter this rank holds, each read into a buffer of its own."""
+    optimizer_keys: dict[nn.Parameter, list[str]]
+    """Each parameter's optimizer-state keys."""
+    rng: str | None
+    """This rank's RNG state key, if it saved one."""
+
+
+def _reading(
+    path: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None, reader: SafeReader, stored: Mapping[str, Any]
+) -> _Reading:
+    model_state = pipe.state_dict()
     device = pipe.device
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
     ties = _held_ties(pipe, model_state, stored)
     for names in ties:  # each stored name of a tied parameter in a buffer of its own, to compare them
         for name in names:
@@ -304,31 +311,56 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     if PROGRESS not in stored:
         raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
     state[PROGRESS] = _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))
-    rng = f"rng/{rank}"
+    rng = f"rng/{dist.get_rank() if dist.is_initialized() else 0}"
     if rng in stored:
         state[rng] = _empty_like_stored(stored[rng], rng, torch.device("cpu"))
-    try:
-        dcp_load(state, storage_reader=reader)
-    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
-        raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
+    return _Reading(state, ties, wanted, rng if rng in stored else None)
+
+
+def _apply(read: _Reading, path: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None) -> None:
+    """Copy what ``read`` holds that was not read in place: tied parameters, optimizer state, the RNG state."""
+    state, ties = read.state, read.ties
     differ = [names for names in ties if not all(torch.equal(state[MODEL + names[0]], state[MODEL + n]) for n in names)]
-    if not everyone_agrees(not differ, device):
+    if not everyone_agrees(not differ, pipe.device):
         raise CheckpointError(
             f"the checkpoint {path} holds different values for {', '.join(differ[0]) if differ else 'parameters'} "
             "that this model ties into one (on some rank): it was saved from a model that does not tie them; "
             "load a checkpoint of the same model"
         )
+    model_state = pipe.state_dict()
     with torch.no_grad():
         for names in ties:
             for name in names:
                 if name in model_state:
                     model_state[name].copy_(state[MODEL + names[0]])
     if optimizer is not None:
-        for param, keys in wanted.items():
+        for param, keys in read.optimizer_keys.items():
             optimizer.state[param] = {k.rpartition("/")[2]: state[k] for k in keys}
-    if rng in state:
-        torch.set_rng_state(state[rng])
-    step, epoch, batch, *rest = (int(v) for v in state[PROGRESS])  # 3 numbers, 4 or 6 as recorded
+    if read.rng is not None:
+        torch.set_rng_state(state[read.rng])
+
+
+def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> Progress:
+    """Load a checkpoint saved with any split into this pipeline (and optimizer); every rank calls it.
+
+    Each rank reads only its own parameters' entries. The model must be the
+    same: missing or unexpected keys and shape mismatches are a
+    :class:`CheckpointError` naming them. The RNG state is restored when
+    this rank saved one. Returns the progress to resume from.
+    """
+    path = Path(path)
+    reader = SafeReader(path)
+    stored = reader.read_metadata().state_dict_metadata
+    model_state = pipe.state_dict()
+    _check_keys(model_state, pipe.model_keys, stored, path)
+    _check_shapes(model_state, stored, path)
+    read = _reading(path, pipe, optimizer, reader, stored)
+    try:
+        dcp_load(read.state, storage_reader=reader)
+    except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
+        raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
+    _apply(read, path, pipe, optimizer)
+    step, epoch, batch, *rest = (int(v) for v in read.state[PROGRESS])  # 3 numbers, 4 or 6 as recorded
     log.info("loaded %s: step %d", path, step)
     order = (rest[1], rest[2]) if len(rest) >= 3 else (None, None)
     return Progress(step, epoch, batch, rest[0] if rest and rest[0] else None, *order)

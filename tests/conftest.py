@@ -1,11 +1,13 @@
-"""Shared pytest setup: one intra-op thread per process, and reproducible hypothesis runs under CI."""
+"""Shared pytest setup: one intra-op thread per process, reproducible hypothesis runs under CI, shared runs."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import settings
+from support.training import Runs, reference_runs
 
 torch.set_num_threads(1)
 
@@ -13,3 +15,9 @@ torch.set_num_threads(1)
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """An uninterrupted 8-step run, and a 4-step run whose checkpoint the tests resume from (trained once)."""
+    return reference_runs(tmp_path_factory.mktemp("train"))

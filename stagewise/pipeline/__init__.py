@@ -4,7 +4,7 @@ from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, PipelineOptions
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.interop import torch_pipe
-from stagewise.pipeline.loader import Batch, StageLoader
+from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
 from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
@@ -16,6 +16,7 @@ __all__ = [
     "DataParallel",
     "Diagnostics",
     "FusedWeightGradients",
+    "LoaderOptions",
     "LossFn",
     "LossReduction",
     "NonFinite",

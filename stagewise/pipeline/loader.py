@@ -67,6 +67,22 @@ def _collate(samples: list[tuple[Any, ...]]) -> tuple[Payload, ...]:
     return tuple(tuple(c) if isinstance(c, list) else c for c in columns)
 
 
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a :class:`StageLoader` draws and assembles its samples; the defaults suit a training split."""
+
+    shuffle: bool = True
+    """Reshuffle each epoch (deterministically from ``seed`` and the epoch); False keeps the dataset's order."""
+    seed: int = 0
+    """Seed of the shuffle, the same on every rank."""
+    num_workers: int = 0
+    """DataLoader worker processes per loading rank."""
+    pin_memory: bool | None = None
+    """Page-locked batches for faster copies to a GPU; None: when CUDA is available."""
+    collate_fn: Callable[[list[tuple[Any, ...]]], tuple[Payload, ...]] | None = None
+    """How samples become a batch; None: torch's default collation, tuples kept as tuples."""
+
+
 class StageLoader:
     """The batches one rank of a pipeline x data-parallel job needs, step by step.
 
@@ -85,10 +101,7 @@ class StageLoader:
         dp: data-parallel replicas; ``replica``: this rank's.
         first: this rank holds the first stage; ``last``: the last stage.
         n_microbatches: micro-batches per step; each replica's batch must hold at least this many samples.
-        shuffle: reshuffle each epoch (deterministically from ``seed`` and the epoch).
-        num_workers: DataLoader worker processes per loading rank.
-        pin_memory: page-locked batches for faster copies to a GPU; by default when CUDA is available.
-        collate_fn: how samples become a batch; by default torch's, tuples kept as tuples.
+        options: shuffling, worker processes, pinning and collation (:class:`LoaderOptions`).
     """
 
     def __init__(
@@ -101,12 +114,9 @@ class StageLoader:
         first: bool,
         last: bool,
         n_microbatches: int = 1,
-        shuffle: bool = True,
-        seed: int = 0,
-        num_workers: int = 0,
-        pin_memory: bool | None = None,
-        collate_fn: Callable[[list[tuple[Any, ...]]], tuple[Payload, ...]] | None = None,
+        options: LoaderOptions | None = None,
     ) -> None:
+        options = options or LoaderOptions()
         if global_batch_size % dp:
             raise ValueError(
                 f"global_batch_size={global_batch_size} is not divisible by dp={dp}; "
@@ -121,7 +131,7 @@ class StageLoader:
             )
         self.local_batch_size = local
         self.sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=dp, rank=replica, shuffle=shuffle, seed=seed, drop_last=True
+            dataset, num_replicas=dp, rank=replica, shuffle=options.shuffle, seed=options.seed, drop_last=True
         )
         self.steps_per_epoch = len(self.sampler) // local
         self.resumable = _Resumable(self.sampler)
@@ -141,14 +151,16 @@ class StageLoader:
                 batch_size=local,
                 sampler=self.resumable,
                 drop_last=True,
-                num_workers=num_workers,
-                pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-                persistent_workers=num_workers > 0,
-                collate_fn=collate_fn or _collate,
+                num_workers=options.num_workers,
+                pin_memory=torch.cuda.is_available() if options.pin_memory is None else options.pin_memory,
+                persistent_workers=options.num_workers > 0,
+                collate_fn=options.collate_fn or _collate,
             )
 
     @classmethod
-    def of(cls, pipe: Pipeline, dataset: Dataset[Any], *, global_batch_size: int, **options: Any) -> StageLoader:
+    def of(
+        cls, pipe: Pipeline, dataset: Dataset[Any], *, global_batch_size: int, options: LoaderOptions | None = None
+    ) -> StageLoader:
         """The loader for this rank of ``pipe``: its replica, and whether it holds the first or last stage."""
         mesh = pipe.mesh
         return cls(
@@ -159,7 +171,7 @@ class StageLoader:
             first=pipe.is_first,
             last=pipe.is_last,
             n_microbatches=pipe.n_microbatches,
-            **options,
+            options=options,
         )
 
     def set_epoch(self, epoch: int, *, start: int = 0) -> None:

@@ -88,6 +88,17 @@ class TrainConfig:
     """Stage boundaries to use (e.g. from ``stagewise plan``) instead of splitting by FLOPs."""
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_weight_gradients()
+        self._check_run_folder()
+        preset(self.model)  # an unknown preset fails here, with the choices
+        if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
+            raise ValueError(
+                f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "
+                f"= {self.stages * self.virtual}; give {self.stages * self.virtual + 1} boundaries"
+            )
+
+    def _check_numbers(self) -> None:
         for name in ("stages", "virtual", "dp", "microbatches", "batch_size", "seq_len", "steps", "eval_batches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -100,6 +111,10 @@ class TrainConfig:
         for name, value in (("lr", self.lr), ("timeout", self.timeout)):
             if not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive, finite number, got {value}")
+        if not 0 <= self.clip < math.inf:
+            raise ValueError(f"clip must be a finite number >= 0 (0 turns it off), got {self.clip}")
+
+    def _check_weight_gradients(self) -> None:
         pool = self.weight_gradient_pool
         try:
             WeightGradientFusion(pool=pool)  # the one place that knows which pools are valid
@@ -112,8 +127,8 @@ class TrainConfig:
                 f"weight_gradient_pool={pool} pools fused weight gradients, but weight_gradient_fusion is off; "
                 "turn fusion on or leave the pool out"
             )
-        if not 0 <= self.clip < math.inf:
-            raise ValueError(f"clip must be a finite number >= 0 (0 turns it off), got {self.clip}")
+
+    def _check_run_folder(self) -> None:
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"stop_after must be in 1..steps={self.steps}, got {self.stop_after}")
         if self.stop_after is not None and self.checkpoint_dir is None:
@@ -123,12 +138,6 @@ class TrainConfig:
             )
         if self.resume and self.checkpoint_dir is None:
             raise ValueError("resume needs checkpoint_dir: the folder to resume from")
-        preset(self.model)  # an unknown preset fails here, with the choices
-        if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
-            raise ValueError(
-                f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "
-                f"= {self.stages * self.virtual}; give {self.stages * self.virtual + 1} boundaries"
-            )
 
     @property
     def world_size(self) -> int:

@@ -23,6 +23,7 @@ from stagewise.pipeline import (
     Compute,
     DataParallel,
     Diagnostics,
+    LoaderOptions,
     LossFn,
     Pipeline,
     PipelineOptions,
@@ -137,7 +138,7 @@ def preflight(config: TrainConfig) -> None:
     for data, shuffle in ((train_data, True), (val_data, False)):
         StageLoader(
             data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
-            n_microbatches=config.microbatches, shuffle=shuffle,
+            n_microbatches=config.microbatches, options=LoaderOptions(shuffle=shuffle),
         )  # fmt: skip
 
 
@@ -203,9 +204,13 @@ def train(
         on_start(pipe)
     model_config = preset(config.model)
     train_data, val_data = _datasets(config, model_config)
-    loader = StageLoader.of(pipe, train_data, global_batch_size=config.batch_size, seed=config.seed)
+    loader = StageLoader.of(
+        pipe, train_data, global_batch_size=config.batch_size, options=LoaderOptions(seed=config.seed)
+    )
     # Built now, so that a validation split too small for one batch fails before training, not after it.
-    val_loader = StageLoader.of(pipe, val_data, global_batch_size=config.batch_size, shuffle=False)
+    val_loader = StageLoader.of(
+        pipe, val_data, global_batch_size=config.batch_size, options=LoaderOptions(shuffle=False)
+    )
     optimizer = _optimizer(config, pipe)
     start = starting_point(config, pipe, optimizer)
     position, found = start.position, start.checkpoint

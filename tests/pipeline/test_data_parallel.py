@@ -19,7 +19,15 @@ from torch.utils.data import Dataset
 
 from stagewise.comm import CommError, LaunchError, PipelineMesh, init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, PipelineOptions, StageLoader, WeightGradientFusion, loss_sharing
+from stagewise.pipeline import (
+    DataParallel,
+    LoaderOptions,
+    Pipeline,
+    PipelineOptions,
+    StageLoader,
+    WeightGradientFusion,
+    loss_sharing,
+)
 
 STEPS = 3
 CLIP = 0.3  # small enough to clip at every step
@@ -45,7 +53,15 @@ class ChainData(Dataset[tuple[Any, torch.Tensor]]):
 def loaders(case: Case, dp: int) -> list[StageLoader]:
     data = ChainData(case.chain, STEPS * case.global_batch)
     return [
-        StageLoader(data, global_batch_size=case.global_batch, dp=dp, replica=r, first=True, last=True, seed=7)
+        StageLoader(
+            data,
+            global_batch_size=case.global_batch,
+            dp=dp,
+            replica=r,
+            first=True,
+            last=True,
+            options=LoaderOptions(seed=7),
+        )
         for r in range(dp)
     ]
 
@@ -116,7 +132,7 @@ def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
             ),
         )
         data = ChainData(case.chain, STEPS * case.global_batch)
-        loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)
+        loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, options=LoaderOptions(seed=7))
         opt = torch.optim.SGD(pipe.parameters(), lr=0.05)
         losses, norms, calls, grads = [], [], [], {}
         for step, batch in enumerate(loader):
@@ -179,7 +195,7 @@ def ddp_against_pipeline(case: Case) -> dict[str, Any]:
     pipe = Pipeline(case.chain.build(), part, n_microbatches=case.n_microbatches, loss_fn=mse, mesh=mesh)
     plain = DistributedDataParallel(case.chain.build())
     data = ChainData(case.chain, STEPS * case.global_batch)
-    loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, seed=7)
+    loader = StageLoader.of(pipe, data, global_batch_size=case.global_batch, options=LoaderOptions(seed=7))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (pipe, plain)]
     worst_grad = 0.0
     for batch in loader:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from stagewise.pipeline import StageLoader
+from stagewise.pipeline import LoaderOptions, StageLoader
 
 
 class Numbered(Dataset[tuple[Any, torch.Tensor]]):
@@ -26,9 +26,12 @@ class Numbered(Dataset[tuple[Any, torch.Tensor]]):
         return (torch.tensor([float(i)]), torch.tensor(-i)), torch.tensor(1000.0 + i)
 
 
-def loader(data: Dataset[Any], replica: int, *, first: bool, last: bool, **kw: Any) -> StageLoader:
-    options: dict[str, Any] = {"global_batch_size": 8, "dp": 2, "n_microbatches": 2, "seed": 5} | kw
-    return StageLoader(data, replica=replica, first=first, last=last, **options)
+def loader(
+    data: Dataset[Any], replica: int, *, first: bool, last: bool, shuffle: bool = True, **kw: Any
+) -> StageLoader:
+    sizes: dict[str, Any] = {"global_batch_size": 8, "dp": 2, "n_microbatches": 2} | kw
+    options = LoaderOptions(shuffle=shuffle, seed=5)
+    return StageLoader(data, replica=replica, first=first, last=last, options=options, **sizes)
 
 
 def test_replicas_get_disjoint_shards_and_both_ends_of_a_replica_the_same_order() -> None:
