@@ -32,8 +32,8 @@ from pipeline_bench import saved_bytes
 
 from stagewise.comm import launch
 from stagewise.pipeline import Pipeline
+from stagewise.plan import Option, evaluate
 from stagewise.plan.cluster import Cluster, Device
-from stagewise.plan.planner import Option, evaluate
 from stagewise.plan.workload import preset_model, workload_under_load
 from stagewise.run import TrainConfig, train
 

@@ -17,8 +17,8 @@ from stagewise.comm import Payload
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.partition import Layer, layers_of
 from stagewise.partition.profile import working_copy
+from stagewise.plan import Plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
-from stagewise.plan.planner import Plan, plan
 from stagewise.plan.workload import Workload, preset_model, workload, workload_under_load
 from stagewise.schedule import render
 from stagewise.units import format_bytes, parse_bytes

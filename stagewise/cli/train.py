@@ -19,7 +19,7 @@ from stagewise.cli import args
 from stagewise.comm import Layout, launch
 from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline
-from stagewise.plan.planner import load_plan
+from stagewise.plan import load_plan
 from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
 from stagewise.run.resume import fresh_run_refused
 from stagewise.schedule import ScheduleName

@@ -10,23 +10,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stagewise.comm import Payload, Receiving, Transport, as_tensors
+from stagewise.comm import Payload, PayloadLayout, Transport, as_tensors
 from stagewise.pipeline.data_parallel import Replicas, sync_points
 from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
-from stagewise.pipeline.microbatch import LossFn, Microbatches
+from stagewise.pipeline.microbatch import LossFn, Microbatches, scalar_loss
+from stagewise.pipeline.posted_receives import ACTIVATIONS, GRADIENTS, LOOKAHEAD, PostedReceives
 from stagewise.pipeline.split_backward import WeightUse, weight_gradients
 from stagewise.pipeline.stage import StageError, StageModule, failure
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.dependencies import Event
 from stagewise.schedule.holdings import rank_pool
 from stagewise.schedule.spans import Span
-
-ACTIVATIONS, GRADIENTS = 0, 1
-"""Transport streams: activations flow forward on one, gradients backward on the other."""
-
-LOOKAHEAD = 2
-"""Receives are posted for this many actions ahead of the one running."""
 
 
 @dataclass
@@ -129,17 +124,6 @@ class Executor:
         checkpointing = any(stage.checkpointing for stage in self.stages.values())
         return rank_pool(self.fusion, self.schedule, self.position, checkpointing=checkpointing)
 
-    def _source(self, action: Action) -> tuple[int, int] | None:
-        """(position, stream) that ``action`` receives from, or None when its input is local."""
-        s = action.stage
-        if action.kind is Kind.F and s > 0:
-            src, stream = self.schedule.rank_of(s - 1), ACTIVATIONS
-        elif action.kind.is_backward and s < self.last:
-            src, stream = self.schedule.rank_of(s + 1), GRADIENTS
-        else:
-            return None
-        return None if src == self.position else (src, stream)
-
     def _send(self, payload: Payload, stage: int, mb: int, action: Action, stream: int) -> None:
         thing = "activation" if stream == ACTIVATIONS else "gradient"
         self.transport.send(
@@ -166,16 +150,7 @@ class Executor:
             run.act(i, action)
         run.flush()
         self.transport.wait_sends()
-        return StepResult(run.total, run.outputs, run.events, run.spans, run.losses)
-
-
-def scalar_loss(loss_fn: LossFn, output: Payload, target: Payload) -> torch.Tensor:
-    """``loss_fn(output, target)``, refused unless it is a 0-dim tensor."""
-    loss = loss_fn(output, target)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a scalar tensor, got {got}; reduce it over the micro-batch")
-    return loss
+        return StepResult(run.total, run.outputs, run.events, run.receives.spans, run.losses)
 
 
 class _Run:
@@ -197,11 +172,11 @@ class _Run:
         self.start = time.perf_counter()
         self.slots: dict[tuple[int, int], _Slot] = {}
         self.handoff: dict[tuple[int, int], Payload] = {}
-        self.posted: dict[int, Receiving] = {}
-        self.busy: set[tuple[int, int]] = set()
-        self.cursor = 0
+        self.receives = PostedReceives(
+            executor.schedule, executor.position, actions, executor.transport, executor.peers,
+            gradient_layout_of=self._gradient_layout, start=self.start,
+        )  # fmt: skip
         self.events: list[Event] = []
-        self.spans: list[Span] = []
         self.outputs: list[Payload] = []
         self.total: torch.Tensor | None = None
         self.losses: list[torch.Tensor] = []
@@ -231,43 +206,13 @@ class _Run:
     def _now(self) -> float:
         return time.perf_counter() - self.start
 
-    def _post(self, upto: int) -> None:
-        """Post receives for actions up to ``upto``, in order, one outstanding per (peer, stream)."""
-        while self.cursor < min(upto, len(self.actions)):
-            action = self.actions[self.cursor]
-            source = self.x._source(action)
-            if source is not None:
-                expect = None
-                if action.kind.is_backward:
-                    slot = self.slots.get((action.stage, action.microbatch))
-                    if slot is None:  # its forward has not run yet, so its gradient's layout is unknown
-                        return
-                    expect = gradient_layout(slot.output)
-                if source in self.busy:
-                    return
-                self.busy.add(source)
-                thing = "activation" if action.kind is Kind.F else "gradient"
-                self.posted[self.cursor] = self.x.transport.irecv(
-                    self.x.peers[source[0]],
-                    what=f"the {thing} of micro-batch {action.microbatch} for {action} (stage {action.stage})",
-                    stream=source[1],
-                    expect=expect,
-                )
-            self.cursor += 1
-
-    def _receive(self, i: int, source: tuple[int, int]) -> Payload:
-        self._post(i + 1)
-        handle = self.posted.pop(i)
-        waited = self._now()
-        payload = handle.wait()
-        self.busy.discard(source)
-        self.spans.append(Span(self.x.position, f"wait {self.actions[i]}", "wait", waited, self._now()))
-        return payload
+    def _gradient_layout(self, action: Action) -> PayloadLayout | None:
+        slot = self.slots.get((action.stage, action.microbatch))
+        return None if slot is None else gradient_layout(slot.output)
 
     def act(self, i: int, action: Action) -> None:
-        self._post(i + 1 + self.x.lookahead)
-        source = self.x._source(action)
-        incoming = self._receive(i, source) if source is not None else None
+        self.receives.post(i + 1 + self.x.lookahead)
+        incoming = self.receives.take(i)
         began = self._now()
         sync = i in self.sync
         replicas = self.x.replicas

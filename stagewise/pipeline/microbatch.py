@@ -17,6 +17,15 @@ LossFn = Callable[[Payload, Payload], torch.Tensor]
 """``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
 
 
+def scalar_loss(loss_fn: LossFn, output: Payload, target: Payload) -> torch.Tensor:
+    """``loss_fn(output, target)``, refused unless it is a 0-dim tensor."""
+    loss = loss_fn(output, target)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {got}; reduce it over the micro-batch")
+    return loss
+
+
 @dataclass(frozen=True)
 class Microbatches:
     """A batch cut into ``len(parts)`` micro-batches, with each one's weight in the total loss."""

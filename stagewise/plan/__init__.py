@@ -1,7 +1,9 @@
 """Planning: the cluster described, the workload costed, and the planner's search over layouts and schedules."""
 
 from stagewise.plan.cluster import Cluster, Device, parse_devices
-from stagewise.plan.planner import Option, Plan, candidates, evaluate, load_plan, plan
+from stagewise.plan.evaluate import evaluate
+from stagewise.plan.option import Option, Plan
+from stagewise.plan.planner import candidates, load_plan, plan
 from stagewise.plan.workload import Workload, measure_optimizer, workload
 
 __all__ = [

@@ -182,6 +182,30 @@ def pipeline_options(config: TrainConfig) -> PipelineOptions:
     )
 
 
+def _due(done: int, end: int, every: int) -> bool:
+    """Whether a periodic action (every ``every`` steps, and at the end; 0: only at the end) falls after ``done``."""
+    return done == end or (every > 0 and done % every == 0)
+
+
+def _train_step(
+    pipe: Pipeline, optimizer: torch.optim.Optimizer, config: TrainConfig, step: int, batch: Batch, *, traced: bool
+) -> float:
+    """Step ``step``: its learning rate, forward and backward, clipping and the update (unless the pipeline
+    skipped it for a non-finite loss); the loss. ``traced``: write the step's Chrome trace."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(config, step)
+    optimizer.zero_grad(set_to_none=True)
+    if traced and config.trace is not None:
+        pipe.chrome_trace = Path(config.trace)
+    loss = float(pipe.step(batch.inputs, batch.targets))
+    pipe.chrome_trace = None  # the evaluation after it must not overwrite the step's trace
+    if not pipe.skipped:
+        if config.clip > 0:
+            pipe.clip_grad_norm_(config.clip)
+        optimizer.step()
+    return loss
+
+
 def train(
     config: TrainConfig,
     *,
@@ -221,36 +245,24 @@ def train(
     end = config.steps if config.stop_after is None else config.stop_after
     for step in range(position.step, end):
         epoch, index, batch = next(batches)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step)
         began = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        if config.trace is not None and step == end - 1:
-            pipe.chrome_trace = Path(config.trace)
-        loss = float(pipe.step(batch.inputs, batch.targets))
-        pipe.chrome_trace = None  # the evaluation after it must not overwrite the step's trace
+        loss = _train_step(pipe, optimizer, config, step, batch, traced=step == end - 1)
         if pipe.skipped:
             summary.skipped.append(step + 1)
-        else:
-            if config.clip > 0:
-                pipe.clip_grad_norm_(config.clip)
-            optimizer.step()
         seconds = time.perf_counter() - began
         summary.losses.append(loss)
         summary.step_seconds.append(seconds)
         done = step + 1
         if on_step is not None:
             on_step(done, loss, seconds)
-        if config.checkpoint_dir is not None and (
-            done == end or (config.checkpoint_every and done % config.checkpoint_every == 0)
-        ):
+        if config.checkpoint_dir is not None and _due(done, end, config.checkpoint_every):
             wraps = index + 1 == loader.steps_per_epoch
             progress = checkpoint.Progress(
                 done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size,
                 seed=config.seed, sample_length=config.tokens_per_sample,
             )  # fmt: skip
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
-        if done == end or (config.eval_every and done % config.eval_every == 0):
+        if _due(done, end, config.eval_every):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))
     if position.step >= end:  # a restart after this job's last save (starting_point): only the evaluation is left
         summary.checkpoint = str(found)

@@ -17,8 +17,8 @@ from stagewise.cli import main, parser
 from stagewise.cli.train import config_of
 from stagewise.models import build, preset
 from stagewise.partition import LayerCost, LiveBytes
+from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
-from stagewise.plan.planner import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.workload import Workload, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
 from stagewise.schedule import BUILDERS, ScheduleName

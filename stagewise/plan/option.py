@@ -1,0 +1,82 @@
+"""Option and Plan: one layout and what it costs (or why it was rejected), and every layout a search considered."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from stagewise.partition import Partition
+from stagewise.plan.workload import Workload
+from stagewise.schedule import ScheduleName
+from stagewise.schedule.simulate import SimulationResult
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout and what it costs, or why it was rejected."""
+
+    pp: int
+    dp: int
+    n_virtual: int
+    n_microbatches: int
+    schedule: ScheduleName
+    activation_checkpointing: bool
+    partition: Partition | None = None
+    step_time: float = math.inf
+    """Predicted seconds per optimizer step."""
+    bubble: float = 0.0
+    rank_memory: tuple[float, ...] = ()
+    """Predicted peak bytes of each pipeline rank (parameter state plus activations)."""
+    rank_activation: tuple[float, ...] = ()
+    """Predicted peak bytes of saved activations on each pipeline rank."""
+    samples_per_second: float = 0.0
+    rejected: str | None = None
+    """Why the layout does not work; None when it does."""
+    simulation: SimulationResult | None = field(default=None, repr=False, compare=False)
+
+    def describe(self) -> str:
+        ckpt = " +ckpt" if self.activation_checkpointing else ""
+        return f"pp={self.pp} dp={self.dp} m={self.n_microbatches} {self.schedule}{ckpt}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layout considered: the feasible ones fastest first, the rejected ones with their reasons."""
+
+    options: tuple[Option, ...]
+    rejected: tuple[Option, ...]
+    smallest_memory: float | None
+    """When nothing fits: the least memory per device that some layout would need."""
+
+    @property
+    def best(self) -> Option | None:
+        return self.options[0] if self.options else None
+
+    def to_json(self, workload: Workload, *, model: str, seq_len: int | None, optimizer: str | None = None) -> str:
+        """The best option as the JSON that ``stagewise train --plan`` reads."""
+        best = self.best
+        if best is None or best.partition is None:
+            raise ValueError("no layout fits, so there is no plan to write")
+        return json.dumps(
+            {
+                "model": model,
+                "stages": best.pp,
+                "dp": best.dp,
+                "virtual": best.n_virtual,
+                "schedule": best.schedule,
+                "microbatches": best.n_microbatches,
+                "batch_size": workload.global_batch,
+                "seq_len": seq_len,
+                "activation_checkpointing": best.activation_checkpointing,
+                "optimizer": optimizer,
+                "partition": list(best.partition.bounds),
+                "predicted": {
+                    "step_time": best.step_time,
+                    "bubble": best.bubble,
+                    "rank_memory": list(best.rank_memory),
+                    "rank_activation": list(best.rank_activation),
+                },
+            },
+            indent=1,
+        )
