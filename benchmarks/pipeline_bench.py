@@ -249,7 +249,7 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing)
             schedule = _schedule_of(name)
             pipes[name] = Pipeline(
                 model(d, n_layers), Partition.from_bounds(half), schedule=schedule, n_microbatches=m,  # type: ignore[arg-type]
-                loss_fn=F.mse_loss, mesh=mesh, timeout=600, options=PipelineOptions(fuse_weight_gradients=fusion),
+                loss_fn=F.mse_loss, mesh=mesh, options=PipelineOptions(fuse_weight_gradients=fusion),
             )  # fmt: skip
             variants[f"stagewise_{name}"] = functools.partial(_stagewise_step, pipes[name], x, y)
         mine = nn.Sequential(*list(model(d, n_layers))[half[rank] : half[rank + 1]])

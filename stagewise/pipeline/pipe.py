@@ -89,7 +89,9 @@ class Pipeline(HeldStages):
         timeout: bound on every wait of this pipeline for another rank, in seconds: transfers, tied weights,
             the replicas' all-reduce, clipping's all-reduce and the loss's sharing. None: the mesh's
             (``mesh.timeout``; :data:`~stagewise.comm.timeouts.DEFAULT_TIMEOUT` for a mesh the pipeline makes,
-            whose start-up it bounds too). Stored once, as :attr:`timeout`.
+            whose start-up it bounds too). With a ``mesh``, whose process groups carry its own timeout, a
+            different value is refused: give it to :func:`~stagewise.comm.init_mesh`. Stored once, as
+            :attr:`timeout`.
         options: the rarer knobs, grouped (:class:`~stagewise.pipeline.PipelineOptions`: virtual stages,
             device, seed, loss reduction, precision and recomputation, diagnostics, weight-gradient fusion,
             data parallelism); None: their defaults.
@@ -111,6 +113,12 @@ class Pipeline(HeldStages):
         layers = layers_of(model)
         plan = checked_schedule(layers, partition, schedule, n_microbatches, loss_fn=loss_fn, options=options)
         seconds = None if timeout is None else checked_timeout(timeout)
+        if mesh is not None and seconds is not None and seconds != mesh.timeout:
+            raise ValueError(
+                f"timeout={seconds:g} s differs from the mesh's {mesh.timeout:g} s, which bounds its process groups "
+                "(the replicas' all-reduce, clipping, the loss's all-gather): one timeout bounds every wait, so give "
+                f"it to init_mesh(..., timeout={seconds:g}) and leave Pipeline's out"
+            )
         self.schedule = plan
         self.partition = partition
         self.options = options

@@ -162,7 +162,6 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
         n_microbatches=config.microbatches,
         loss_fn=cast(LossFn, model_config.loss),
         mesh=mesh,
-        timeout=config.timeout,
         options=pipeline_options(config),
     )
 

@@ -64,13 +64,13 @@ def unsplit(kind: str) -> dict[str, Any]:
 
 def train_captured(kind: str, schedule: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=30)
     model = build(kind)
     example, _ = batches(kind, size=MICRO)[0]
     chain = capture(model, example)
     part = auto(chain, 2, example, by="flops")  # the split points, chosen by the partitioner
     pipe = Pipeline(
-        chain, part, schedule=schedule, n_microbatches=MICRO, loss_fn=loss_of(kind), mesh=mesh, timeout=30,  # type: ignore[arg-type]
+        chain, part, schedule=schedule, n_microbatches=MICRO, loss_fn=loss_of(kind), mesh=mesh,  # type: ignore[arg-type]
         # a segment's graph calls aten.linear: fuse it
         options=PipelineOptions(fuse_weight_gradients=WeightGradientFusion.every()),
     )  # fmt: skip
@@ -108,13 +108,13 @@ def test_a_model_with_long_skip_connections_trains_as_the_unsplit_model() -> Non
 
 def torch_and_stagewise(kind: str) -> dict[str, Any]:
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=30)
     rank = dist.get_rank()
     (inputs, targets), size = batches(kind, size=6)[0], 2  # torch's stages take micro-batches of one shape
     example = tuple(t[:size] for t in inputs)
     chain = capture(build(kind), example)
     part = auto(chain, 2, example, by="flops")
-    pipe = Pipeline(chain, part, schedule="1f1b", n_microbatches=3, loss_fn=loss_of(kind), mesh=mesh, timeout=30)
+    pipe = Pipeline(chain, part, schedule="1f1b", n_microbatches=3, loss_fn=loss_of(kind), mesh=mesh)
     ours = pipe.step(inputs, targets).item()
     tied = {name for tie in shared_parameters(layers_of(chain)) for name in tie.names}  # torch does not sum these
     our_grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None and n not in tied}

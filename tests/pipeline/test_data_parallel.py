@@ -110,7 +110,7 @@ def counting_hook(group, bucket):  # type: ignore[no-untyped-def]  # DDP checks 
 
 def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
-    mesh = init_mesh(pp, dp, timeout=60)
+    mesh = init_mesh(pp, dp, timeout=30)
     results = []
     for case in cases:
         pipe = Pipeline(
@@ -121,7 +121,6 @@ def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
             loss_fn=case.loss,
             # type: ignore[arg-type]
             mesh=mesh,
-            timeout=30,
             # one bucket per stage
             # DDP's hooks must still see each stage's last backward, and pooled gradients be flushed before it
             options=PipelineOptions(
@@ -291,7 +290,7 @@ def late_replica_loss(seconds: float) -> str:
     torch.set_num_threads(1)
     mesh = init_mesh(1, 2, timeout=3)
     pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
-                    mesh=mesh, timeout=3)  # fmt: skip
+                    mesh=mesh)  # fmt: skip
     if mesh.replica == 1:
         loss_sharing.combine_losses = late(loss_sharing.combine_losses, seconds)  # type: ignore[assignment]
     return comm_error(lambda: pipe.step(torch.randn(4, 4), torch.randn(4, 4)))
@@ -380,7 +379,7 @@ def in_place_under_data_parallelism() -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), AddPosition(), nn.Tanh(), nn.Linear(4, 2))
     pipe = Pipeline(model, Partition.from_bounds((0, 4)), schedule="zero-bubble", n_microbatches=2, loss_fn=mse,
-                    mesh=init_mesh(1, 2), timeout=10)  # fmt: skip
+                    mesh=init_mesh(1, 2, timeout=10))  # fmt: skip
     try:
         pipe.step(torch.randn(4, 4), torch.randn(4, 2))
     except Exception as err:
@@ -403,7 +402,7 @@ def replica_refuses_its_batch() -> str:
     torch.set_num_threads(1)
     mesh = init_mesh(1, 2, timeout=3)
     pipe = Pipeline(nn.Sequential(nn.Linear(4, 4)), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
-                    mesh=mesh, timeout=3)  # fmt: skip
+                    mesh=mesh)  # fmt: skip
     size = 4 if mesh.replica == 0 else 1  # replica 1 has fewer samples than micro-batches: refused at once
     try:
         pipe.step(torch.randn(size, 4), torch.randn(size, 4))
@@ -475,7 +474,7 @@ def unused_by_the_synchronising_micro_batch(pp: int) -> dict[str, list[dict[str,
     for schedule in ("gpipe", "1f1b", "zero-bubble"):
         for unused in (True, False):
             pipe = Pipeline(gate_last(pp), Partition.from_bounds(tuple(range(pp + 1))), schedule=schedule,
-                            n_microbatches=3, loss_fn=mse, mesh=mesh, timeout=30,
+                            n_microbatches=3, loss_fn=mse, mesh=mesh,
                             options=PipelineOptions(
                                 data_parallel=DataParallel(find_unused_parameters=unused)))  # fmt: skip
             out[f"{schedule} {unused}"] = gated_steps(pipe, [(x[6 * r : 6 * r + 6], y[6 * r : 6 * r + 6])
@@ -503,7 +502,7 @@ def replicas_agree(mesh: PipelineMesh) -> dict[str, bool]:
     momentum and weight decay, whether the replicas hold the same value of each parameter."""
     torch.manual_seed(0)
     pipe = Pipeline(nn.Sequential(TwoBranches()), Partition.from_bounds((0, 1)), n_microbatches=2, loss_fn=mse,
-                    mesh=mesh, timeout=30,
+                    mesh=mesh,
                     options=PipelineOptions(data_parallel=DataParallel(find_unused_parameters=True)))  # fmt: skip
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)

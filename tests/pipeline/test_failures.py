@@ -18,12 +18,12 @@ from stagewise.pipeline import Diagnostics, Pipeline, PipelineOptions
 def poisoned(policy: str) -> dict[str, Any]:
     """Three SGD steps; micro-batch 1 of step 2 holds an infinite input."""
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=20)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(
         model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss, mesh=mesh,
-        timeout=20, options=PipelineOptions(diagnostics=Diagnostics(nonfinite=policy)),  # type: ignore[arg-type]
+        options=PipelineOptions(diagnostics=Diagnostics(nonfinite=policy)),  # type: ignore[arg-type]
     )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     skipped, snapshots = [], []
@@ -67,7 +67,7 @@ def accumulate_then_poison() -> dict[str, list[bool]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss,
-                    mesh=init_mesh(2, timeout=60), timeout=20,
+                    mesh=init_mesh(2, timeout=20),
                     options=PipelineOptions(diagnostics=Diagnostics(nonfinite="skip")))  # fmt: skip
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     pipe.step(x, y)
@@ -126,11 +126,11 @@ def test_training_steps_pickle_nothing() -> None:
 
 def mismatched(case: str) -> None:
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=5)
     width = 5 if case == "shape" else 4  # stage 1 expects 5 features but stage 0 makes 4
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(width, 2))
     part = Partition.from_bounds((0, 2, 3))
-    pipe = Pipeline(model, part, n_microbatches=2, loss_fn=F.mse_loss, mesh=mesh, timeout=5)
+    pipe = Pipeline(model, part, n_microbatches=2, loss_fn=F.mse_loss, mesh=mesh)
     x = torch.randn(4, 4, dtype=torch.float64 if case == "dtype" else torch.float32)
     pipe.step(x, torch.randn(4, 2))
 

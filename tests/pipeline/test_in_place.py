@@ -45,7 +45,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 def train(schedule: str) -> dict[str, dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
     pipe = Pipeline(model(), Partition.from_bounds(BOUNDS), schedule=schedule, n_microbatches=M, loss_fn=mse,  # type: ignore[arg-type]
-                    mesh=init_mesh(3, timeout=30), timeout=30)  # fmt: skip
+                    mesh=init_mesh(3, timeout=30))  # fmt: skip
     x, y = batch()
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     for _ in range(2):

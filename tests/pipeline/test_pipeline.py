@@ -237,7 +237,7 @@ def zero_bubble_through_a_custom_function(as_view: bool) -> dict[str, torch.Tens
     torch.set_num_threads(1)
     model = custom_function_model(as_view)
     pipe = Pipeline(model, Partition.from_bounds((0, 2, 4)), schedule="zero-bubble", n_microbatches=4, loss_fn=mse,
-                    mesh=init_mesh(2), timeout=20)  # fmt: skip
+                    mesh=init_mesh(2, timeout=20))  # fmt: skip
     torch.manual_seed(1)
     try:
         pipe.step(torch.randn(8, 6), torch.randn(8, 2))
@@ -379,7 +379,7 @@ def first_target(out: torch.Tensor, targets: tuple[torch.Tensor, ...]) -> torch.
 
 def pipelines_closed() -> dict[str, object]:
     torch.set_num_threads(1)
-    mesh = init_mesh(2)
+    mesh = init_mesh(2, timeout=3)
     counts = []
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     for own_mesh in (False, False, True, True):  # a mesh passed in, then one each pipeline makes itself
@@ -395,8 +395,8 @@ def pipelines_closed() -> dict[str, object]:
         after = str(err)
     failing = lambda out, target: torch.tensor(float("nan")) if dist.get_rank() == 1 else mse(out, target)  # noqa: E731
     try:  # the block's own error comes out, not one from waiting for the sends it left behind
-        with Pipeline(model, Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=failing, mesh=mesh,
-                      timeout=3) as pipe:  # fmt: skip
+        with Pipeline(model, Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=failing,
+                      mesh=mesh) as pipe:  # fmt: skip
             pipe.step(torch.randn(4, 4), torch.randn(4, 2))
         raised = "nothing"
     except Exception as err:
@@ -529,7 +529,7 @@ def crossed_streams() -> dict[str, object]:
     chain = Chain(("linear", "residual", "norm", "linear", "gelu", "linear"), seed=8)
     x, y = chain.batch(8, 0)
     pipe = Pipeline(chain.build(), Partition.from_bounds((0, 2, 3, 5, 6)), schedule=Schedule.from_text(CROSSED),
-                    n_microbatches=4, loss_fn=mse, mesh=init_mesh(2, timeout=30), timeout=30)  # fmt: skip
+                    n_microbatches=4, loss_fn=mse, mesh=init_mesh(2, timeout=30))  # fmt: skip
     loss = pipe.step(x, y).item()
     grads = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
     dist.destroy_process_group()
@@ -551,12 +551,10 @@ def test_a_schedule_whose_streams_cross_between_two_ranks_runs_and_equals_the_un
 def last_stage_refuses(case: str) -> str:
     """The last stage refuses; the first, waiting for its gradient, times out and says for what."""
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=30)
+    mesh = init_mesh(2, timeout=3)
     chain = Chain(("linear", "linear"), seed=1)
     loss_fn = (lambda o, t: (o - t) ** 2) if case == "non_scalar_loss" else mse
-    pipe = Pipeline(
-        chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=loss_fn, mesh=mesh, timeout=3
-    )
+    pipe = Pipeline(chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=loss_fn, mesh=mesh)
     x, y = chain.batch(4, 0)
     try:
         pipe.step(x, None if case == "missing_targets" and dist.get_rank() == 1 else y)
@@ -582,11 +580,9 @@ def stalled(seconds: float, where: str) -> str:
     torch.set_num_threads(1)
     if where == "loss over gloo":  # the transport's gloo group: the loss is a broadcast over the pipeline's
         os.environ["STAGEWISE_SHARED_MEMORY"] = "0"
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=2)
     chain = Chain(("linear", "linear"), seed=1)
-    pipe = Pipeline(
-        chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse, mesh=mesh, timeout=2
-    )
+    pipe = Pipeline(chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse, mesh=mesh)
     if dist.get_rank() == 1:  # alive, but stuck somewhere else: before its step, or before it tells rank 0 the loss
         if where == "step":
             time.sleep(seconds)

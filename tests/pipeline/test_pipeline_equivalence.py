@@ -22,7 +22,7 @@ STEPS = 3
 
 def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
     torch.set_num_threads(1)
-    mesh = init_mesh(n_ranks, timeout=60)
+    mesh = init_mesh(n_ranks, timeout=20)
     results = []
     for case in cases:
         os.environ["STAGEWISE_SHARED_MEMORY"] = "0" if case.over_gloo else "1"  # read when the Pipeline is built
@@ -34,7 +34,6 @@ def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
             n_microbatches=case.n_microbatches,
             loss_fn=mse,
             mesh=mesh,
-            timeout=20,
             options=PipelineOptions(n_virtual=case.n_virtual, fuse_weight_gradients=case.fusion),
         )
         params = list(pipe.parameters())

@@ -50,7 +50,7 @@ def unsplit(size: int, clip: float | None) -> dict[str, Any]:
 
 def train_tied(schedule: str, bounds: tuple[int, ...], pp: int, dp: int, clip: float | None) -> dict[str, Any]:
     torch.set_num_threads(1)
-    mesh = init_mesh(pp, dp, timeout=60)
+    mesh = init_mesh(pp, dp, timeout=30)
     model = GPT(CONFIG, device="meta")
     pipe = Pipeline(
         model,
@@ -60,7 +60,6 @@ def train_tied(schedule: str, bounds: tuple[int, ...], pp: int, dp: int, clip: f
         loss_fn=lm_loss,
         mesh=mesh,
         options=PipelineOptions(seed=5),
-        timeout=30,
     )
     opt = torch.optim.SGD(pipe.parameters(), lr=0.2)
     losses, norms = [], []
@@ -105,10 +104,10 @@ def accumulate_tied(dp: int) -> dict[str, torch.Tensor]:
 
     With replicas, DDP's gradients are views of its buckets, which it overwrites at every step."""
     torch.set_num_threads(1)
-    mesh = init_mesh(2, dp, timeout=60)
+    mesh = init_mesh(2, dp, timeout=30)
     ddp = DataParallel(gradient_as_bucket_view=True)
     pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
-                    mesh=mesh, timeout=30, options=PipelineOptions(seed=5, data_parallel=ddp))  # fmt: skip
+                    mesh=mesh, options=PipelineOptions(seed=5, data_parallel=ddp))  # fmt: skip
     for x, y in batches(4 * dp)[:2]:
         share = slice(4 * mesh.replica, 4 * mesh.replica + 4)
         pipe.step(x[share], y[share])
@@ -133,9 +132,9 @@ def test_tied_gradients_accumulate_over_steps_like_the_unsplit_model(dp: int) ->
 def stalled_tie(seconds: float) -> str:
     """Rank 1 reaches the sum of the tied copies' gradients ``seconds`` late; rank 0 must time out, naming it."""
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=3)
     pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
-                    mesh=mesh, options=PipelineOptions(seed=5), timeout=3)  # fmt: skip
+                    mesh=mesh, options=PipelineOptions(seed=5))  # fmt: skip
     if mesh.rank == 1:
         pipe.ties.sum_gradients = late(pipe.ties.sum_gradients, seconds)  # type: ignore[method-assign]
     x, y = batches(4)[0]
@@ -152,15 +151,13 @@ def test_a_late_tied_copy_gives_a_named_timeout() -> None:
 def late_to_synchronise(seconds: float) -> str:
     """Rank 1 reaches the broadcast of the tied copies' initial value ``seconds`` late."""
     torch.set_num_threads(1)
-    mesh = init_mesh(2, timeout=60)
+    mesh = init_mesh(2, timeout=3)
     if mesh.rank == 1:
         tied_weights.Ties.synchronise = late(tied_weights.Ties.synchronise, seconds)  # type: ignore[method-assign]
     part = Partition.from_bounds((0, 2, 6))
     model = GPT(CONFIG, device="meta")
     return comm_error(
-        lambda: Pipeline(
-            model, part, n_microbatches=2, loss_fn=lm_loss, mesh=mesh, options=PipelineOptions(seed=5), timeout=3
-        )
+        lambda: Pipeline(model, part, n_microbatches=2, loss_fn=lm_loss, mesh=mesh, options=PipelineOptions(seed=5))
     )
 
 
@@ -176,8 +173,8 @@ def frozen_tie() -> list[bool]:
     torch.set_num_threads(1)
     model = GPT(CONFIG, device="meta")
     model.embed.tokens.weight.requires_grad_(False)  # the tied embedding and head, frozen
-    pipe = Pipeline(model, Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss, mesh=init_mesh(2),
-                    options=PipelineOptions(seed=5), timeout=30)  # fmt: skip
+    pipe = Pipeline(model, Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=lm_loss,
+                    mesh=init_mesh(2, timeout=30), options=PipelineOptions(seed=5))  # fmt: skip
     x, y = batches(4)[0]
     pipe.step(x, y)
     got = [p.grad is None for name, p in pipe.named_parameters() if name in TIED]

@@ -1,4 +1,4 @@
-"""One timeout: the Pipeline's bounds every kind of wait it makes, whatever the mesh's own."""
+"""One timeout: the mesh's bounds every process group and every kind of wait of the Pipeline; no second one."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)
-MESH_TIMEOUT = 40.0
-PIPELINE_TIMEOUT = 17.0
+TIMEOUT = 17.0
 
 
 def _seconds(value: object) -> float | None:
@@ -52,12 +51,12 @@ def _patch_waits(seen: list[tuple[str, float | None]]) -> None:
                 setattr(module, name, _recording(original, name, seen))
 
 
-def timeouts_seen(pipeline_timeout: float | None) -> dict[str, object]:
-    """Build a pipeline (pp=2, dp=2, a tied embedding across its ranks), step it over the transport's gloo
-    groups and clip; return every timeout a wait was given, and the transport's."""
+def timeouts_seen() -> dict[str, object]:
+    """Build a mesh and a pipeline on it (pp=2, dp=2, a tied embedding across its ranks), step it over the
+    transport's gloo groups and clip; return every timeout a wait or a process group was given, the transport's,
+    and the refusal of a pipeline timeout other than the mesh's."""
     torch.set_num_threads(1)
     os.environ["STAGEWISE_SHARED_MEMORY"] = "0"  # the transport over its gloo groups, waiting with wait_for
-    mesh = init_mesh(2, 2, timeout=MESH_TIMEOUT)
     seen: list[tuple[str, float | None]] = []
     _patch_waits(seen)
     groups: list[float] = []
@@ -68,15 +67,26 @@ def timeouts_seen(pipeline_timeout: float | None) -> dict[str, object]:
         return new_group(*args, **kwargs)
 
     dist.new_group = recording_group  # type: ignore[assignment]
-    pipe = Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2,
-                    loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), mesh=mesh,
-                    timeout=pipeline_timeout)  # fmt: skip
+    mesh = init_mesh(2, 2, timeout=TIMEOUT)
+    model = GPT(CONFIG, device="meta")
+    part = Partition.from_bounds((0, 2, 6))
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    try:
+        Pipeline(model, part, n_microbatches=2, loss_fn=loss_fn, mesh=mesh, timeout=TIMEOUT + 1)
+        refusal = "accepted"
+    except ValueError as err:
+        refusal = str(err)
+    pipe = Pipeline(model, part, n_microbatches=2, loss_fn=loss_fn, mesh=mesh)
     dist.new_group = new_group  # type: ignore[assignment]
     ids = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
     pipe.step(ids[:, :-1], ids[:, 1:])
     pipe.clip_grad_norm_(1.0)
     pipe.evaluate(ids[:, :-1], ids[:, 1:])
     out = {"pipe": pipe.timeout, "transport": _seconds(pipe.transport.timeout), "waits": seen, "groups": groups}
+    out["refusal"] = refusal
     pipe.close()
     dist.destroy_process_group()
     return out
@@ -84,17 +94,19 @@ def timeouts_seen(pipeline_timeout: float | None) -> dict[str, object]:
 
 @pytest.mark.timeout(240)
 def test_one_timeout_bounds_every_kind_of_wait() -> None:
-    results = run_ranks(timeouts_seen, 4, PIPELINE_TIMEOUT, timeout=180)
+    results = run_ranks(timeouts_seen, 4, timeout=180)
     kinds = set()
     for rank, got in results.items():
-        assert got["pipe"] == PIPELINE_TIMEOUT
-        assert got["transport"] == PIPELINE_TIMEOUT, rank
-        assert got["groups"] and set(got["groups"]) == {PIPELINE_TIMEOUT}, (rank, got["groups"])  # ties, transport
+        assert got["pipe"] == TIMEOUT
+        assert got["transport"] == TIMEOUT, rank
+        # the mesh's pp and dp groups (DDP, clipping, the loss's all-gather), the ties' and the transport's
+        assert got["groups"] and set(got["groups"]) == {TIMEOUT}, (rank, got["groups"])
         waits_seen = got["waits"]
         assert isinstance(waits_seen, list)
-        wrong = [(what, value) for what, value in waits_seen if value != PIPELINE_TIMEOUT]
+        wrong = [(what, value) for what, value in waits_seen if value != TIMEOUT]
         assert not wrong, (rank, wrong)
         kinds |= {what for what, _ in waits_seen}
+        assert "timeout=18 s differs from the mesh's 17 s, which bounds its process groups" in str(got["refusal"])
     for part in (
         "wait_for: the activation",
         "wait_for: the gradient",

@@ -23,7 +23,7 @@ from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.launch import SHARED_RUN_ID, _children
 from stagewise.pipeline import Pipeline
-from stagewise.run import Summary, TrainConfig, train
+from stagewise.run import Summary, TrainConfig, folder, train
 from stagewise.run.resume import cannot_tell, owns
 
 BASE = TrainConfig(
@@ -160,7 +160,7 @@ def test_a_restarted_job_never_continues_another_jobs_checkpoints(tmp_path: Path
     # the id "none" (as every job torchrun starts on several nodes without --rdzv-id): the restart took the
     # folder, which the earlier job had claimed under that id, for its own.
     losses, still_open = run_ranks(fresh, 1, str(tmp_path), timeout=150, run_id="none")[0]
-    assert len(losses) == 2 and checkpoint.owner(tmp_path) == "none" and checkpoint.owner_token(tmp_path)
+    assert len(losses) == 2 and folder.owner(tmp_path) == "none" and folder.owner_token(tmp_path)
     assert not still_open  # the job's groups are released (NCCL warned at exit of one left open)
     with pytest.raises(LaunchError, match=r"already holds checkpoints \(the latest step-00000002\), from an earlier"):
         run_ranks(fresh, 1, str(tmp_path), timeout=150, max_restarts=1, run_id="none")
@@ -174,7 +174,7 @@ def test_a_restart_trusts_a_unique_job_id_and_a_shared_one_only_with_its_jobs_to
     # checkpoints; an empty id counted as the folder's owner.
     def verdict(job: str, claimed: str, token: str | None, theirs: str | None) -> bool | None:
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
-        checkpoint.claim(tmp_path, claimed, torch.device("cpu"), theirs)
+        folder.claim(tmp_path, claimed, torch.device("cpu"), theirs)
         return owns(str(tmp_path), job, token)
 
     monkeypatch.delenv(SHARED_RUN_ID, raising=False)
