@@ -360,10 +360,32 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
         raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
     _apply(read, path, pipe, optimizer)
-    step, epoch, batch, *rest = (int(v) for v in read.state[PROGRESS])  # 3 numbers, 4 or 6 as recorded
-    log.info("loaded %s: step %d", path, step)
+    progress = _progress(read.state[PROGRESS])
+    log.info("loaded %s: step %d", path, progress.step)
+    return progress
+
+
+def _progress(recorded: torch.Tensor) -> Progress:
+    step, epoch, batch, *rest = (int(v) for v in recorded)  # 3 numbers, 4 or 6 as recorded
     order = (rest[1], rest[2]) if len(rest) >= 3 else (None, None)
     return Progress(step, epoch, batch, rest[0] if rest and rest[0] else None, *order)
+
+
+def progress_of(path: str | Path) -> Progress:
+    """The training progress a checkpoint recorded, read alone in this process (no process group needed): what
+    a launcher checks a resume against before it starts any process."""
+    reader = SafeReader(Path(path))
+    stored = reader.read_metadata().state_dict_metadata
+    if PROGRESS not in stored:
+        raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
+    state = {PROGRESS: _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp_load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as err:
+        raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
+    return _progress(state[PROGRESS])
 
 
 def export(path: str | Path, out: str | Path) -> Path:

@@ -35,3 +35,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LaunchError as err:
         print(f"stagewise {ns.command}: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the processes started, or a second Ctrl-C: no traceback
+        print(f"stagewise {ns.command}: interrupted", file=sys.stderr)
+        return 130

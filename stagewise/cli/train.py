@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any, get_args
 
@@ -21,10 +20,14 @@ from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline
 from stagewise.plan import load_plan
 from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
-from stagewise.run.resume import fresh_run_refused
+from stagewise.run.resume import check_resume, fresh_run_refused
+from stagewise.run.runs import LATEST, ROOT, latest_run, new_run
+from stagewise.run.stopping import StopSignals
 from stagewise.schedule import ScheduleName
 
 DEFAULTS = TrainConfig()
+IN_RUN_FOLDER = "RUN/checkpoints"
+"""--checkpoint-dir's default: ``checkpoints/`` in the run's folder, whichever it is."""
 PLANNED = (
     "model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size", "activation_checkpointing",
     "seq_len", "optimizer",
@@ -80,10 +83,15 @@ def add(commands: Any) -> None:
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: at the end)")
     p.add_argument("--eval-batches", type=args.positive_int, default=d.eval_batches, help="validation batches")
-    p.add_argument("--checkpoint-dir", default="stagewise-run/checkpoints", help="write checkpoints here")
+    p.add_argument(
+        "--checkpoint-dir", default=IN_RUN_FOLDER, help="write checkpoints here (default: checkpoints/ in --out)"
+    )
     p.add_argument("--no-checkpoints", dest="checkpoint_dir", action="store_const", const=None, help="write none")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: at end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument(
+        "--resume", action="store_true",
+        help=f"continue the latest run ({ROOT}/{LATEST}, or the run in --out) from its latest checkpoint",
+    )  # fmt: skip
     p.add_argument("--trace", default=d.trace, help="write a Chrome trace of the last step here (per rank)")
     p.add_argument(
         "--skip-nonfinite", dest="nonfinite", action="store_const", const="skip", default="raise",
@@ -99,13 +107,20 @@ def add(commands: Any) -> None:
         help="give each local process its own share of the CPUs (fewer stalls in gloo's threads on a busy CPU)",
     )  # fmt: skip
     p.add_argument("--plan", type=Path, default=None, help="a plan from `stagewise plan --json` (sets the layout)")
-    p.add_argument("--out", type=Path, default=Path("stagewise-run"), help="folder for summary.json and loss.png")
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help=f"this run's folder: summary.json, loss.png, checkpoints/ (default: a new folder per run under {ROOT}/, "
+        f"linked as {ROOT}/{LATEST}; under torchrun, {ROOT}/ itself)",
+    )  # fmt: skip
 
 
-def config_of(ns: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig that ``stagewise train``'s parsed arguments ask for; a ``--plan`` sets the layout."""
+def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig:
+    """The TrainConfig that ``stagewise train``'s parsed arguments ask for, writing into the run ``folder`` (None:
+    one to be made); a ``--plan`` sets the layout."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(ns).items() if k in names and not (k in PLANNED and v is None)}
+    if values.get("checkpoint_dir") == IN_RUN_FOLDER:
+        values["checkpoint_dir"] = str((folder or ROOT / "new") / "checkpoints")
     if ns.checkpoint_every and ns.checkpoint_dir is None:
         raise ValueError(
             f"--checkpoint-every {ns.checkpoint_every} saves checkpoints, but --no-checkpoints writes none; "
@@ -159,7 +174,8 @@ def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=args.LOG_FORMAT)
     rank = int(os.environ.get("RANK", "0"))
     bar: Any = None
-    tokens = config.batch_size * config.tokens_per_sample
+    amount = config.batch_size * config.tokens_per_sample
+    per_second = "tok_s" if config.tokens_per_sample > 1 else "samples_s"
 
     def started(pipe: Pipeline) -> None:
         nonlocal bar
@@ -174,10 +190,12 @@ def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
         if bar is None:
             return
         bar.update(step - bar.n)  # a resumed run starts at its step
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / max(seconds, 1e-9):.0f}", step_s=f"{seconds:.2f}")
+        rate = {per_second: f"{amount / max(seconds, 1e-9):.0f}"}
+        bar.set_postfix(loss=f"{loss:.3f}", **rate, step_s=f"{seconds:.2f}")
 
     try:
-        summary = train(config, on_start=started, on_step=stepped)
+        with StopSignals() as stop:
+            summary = train(config, on_start=started, on_step=stepped, stop=stop)
     finally:
         if bar is not None:
             bar.close()
@@ -197,29 +215,53 @@ def _strict(value: Any) -> Any:
     return value
 
 
+def _whole_run(summary: Summary, out: Path) -> Summary:
+    """``summary`` of a resumed run with the steps before it that ``out/summary.json`` recorded: the whole run."""
+    try:
+        earlier = json.loads((out / "summary.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return summary
+    keep = summary.first_step - earlier.get("first_step", 0)
+    if summary.first_step == 0 or not 0 <= keep <= len(earlier.get("losses", [])):
+        return summary
+    nan = math.nan
+    return dataclasses.replace(
+        summary,
+        first_step=earlier["first_step"],
+        losses=[nan if v is None else v for v in earlier["losses"][:keep]] + summary.losses,
+        step_seconds=earlier["step_seconds"][:keep] + summary.step_seconds,
+        evals=[(s, v) for s, v in earlier["evals"] if s <= summary.first_step] + summary.evals,
+        skipped=[s for s in earlier["skipped"] if s <= summary.first_step] + summary.skipped,
+    )
+
+
+def _unit(summary: Summary) -> str:
+    return "tokens" if summary.tokens_per_sample > 1 else "samples"
+
+
 def report(summary: Summary, out: Path) -> list[str]:
-    """Write summary.json (and loss.png with matplotlib) into ``out``; the lines to show."""
+    """Write summary.json (and loss.png) into ``out``, for the whole run when this one resumed it; the lines to
+    show."""
     out.mkdir(parents=True, exist_ok=True)
+    resumed = summary.first_step
+    summary = _whole_run(summary, out)
     data = dataclasses.asdict(summary) | {"tokens_per_second": summary.throughput()}
     (out / "summary.json").write_text(json.dumps(_strict(data), indent=1, allow_nan=False) + "\n")
-    lines = []
+    lines = [f"resumed from step {resumed}"] if resumed else []
     if summary.losses:
         lines.append(
             f"steps {summary.first_step + 1}..{summary.first_step + len(summary.losses)}: loss "
-            f"{summary.losses[0]:.3f} -> {summary.losses[-1]:.3f}, {summary.throughput():.0f} tokens/s"
+            f"{summary.losses[0]:.3f} -> {summary.losses[-1]:.3f}, {summary.throughput():.0f} {_unit(summary)}/s"
         )
     if summary.evals:
         lines.append("validation loss " + ", ".join(f"{v:.3f} (step {s})" for s, v in summary.evals))
     if summary.checkpoint:
         lines.append(f"checkpoint {summary.checkpoint}")
-    try:
-        import matplotlib
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        lines.append(f"wrote {out / 'summary.json'} (install matplotlib for loss.png)")
-        return lines
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = range(summary.first_step + 1, summary.first_step + len(summary.losses) + 1)
     ax.plot(list(steps), summary.losses, label="training", linewidth=1)
@@ -242,46 +284,95 @@ def _writable(flag: str, folder: Path) -> None:
         raise ValueError(f"{flag}: cannot make the folder {folder} ({err.strerror}); choose a writable one") from err
 
 
-def run(ns: argparse.Namespace) -> int:
-    config = config_of(ns)
-    _writable("--out", ns.out)
+def _chosen_folder(ns: argparse.Namespace, torchrun: bool) -> Path | None:
+    """The run's folder when the command names one: --out, the latest run for --resume, or under torchrun the
+    root (every rank must name the same folder); None: a new one, made once everything is checked."""
+    if ns.out is not None:
+        return Path(ns.out)
+    if torchrun:
+        return ROOT
+    if ns.resume and ns.checkpoint_dir == IN_RUN_FOLDER:  # the run's checkpoints are in its folder: find it
+        found = latest_run(ROOT)
+        if found is None:
+            raise ValueError(
+                f"--resume continues the latest run in {ROOT}/, but there is none there; start one without --resume, "
+                "or name the run's folder with --out"
+            )
+        return found
+    return None
+
+
+def _checked_before_start(ns: argparse.Namespace, config: TrainConfig, torchrun: bool) -> None:
+    """What the ranks would refuse, checked here first: a bad value is one line, not a traceback per rank."""
     if config.trace is not None:
         _writable("--trace", Path(config.trace).parent)
     if ns.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
-    if _under_torchrun():
-        if ns.pin_cores:
-            raise ValueError("--pin-cores applies when stagewise starts the processes; torchrun started these")
-        if ns.max_restarts:
-            raise ValueError(
-                "--max-restarts applies when stagewise starts the processes; torchrun started these: "
-                "give torchrun --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
-            )
+    if torchrun and ns.pin_cores:
+        raise ValueError("--pin-cores applies when stagewise starts the processes; torchrun started these")
+    if torchrun and ns.max_restarts:
+        raise ValueError(
+            "--max-restarts applies when stagewise starts the processes; torchrun started these: "
+            "give torchrun --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
+        )
+    if torchrun:
+        return
+    if ns.max_restarts and config.checkpoint_dir is None:
+        raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
+    preflight(config)
+    check_resume(config)
+    found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir and not config.resume else None
+    if found is not None:  # refused here, before any process starts (and is restarted to meet it again)
+        raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
+
+
+def _made_folder(ns: argparse.Namespace, config: TrainConfig, chosen: Path | None) -> tuple[Path, TrainConfig]:
+    """The run's folder, made now (a new one when none was chosen), and the config writing its checkpoints there."""
+    if chosen is not None:
+        _writable("--out", chosen)
+        return chosen, config
+    _writable("--out", ROOT)
+    out = new_run(ROOT)
+    if ns.checkpoint_dir == IN_RUN_FOLDER:
+        config = dataclasses.replace(config, checkpoint_dir=str(out / "checkpoints"))
+    return out, config
+
+
+def run(ns: argparse.Namespace) -> int:
+    torchrun = _under_torchrun()
+    chosen = _chosen_folder(ns, torchrun)
+    config = config_of(ns, chosen)
+    _checked_before_start(ns, config, torchrun)
+    out, config = _made_folder(ns, config, chosen)
+    if torchrun:
         summary = run_rank(config)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     else:
+        print(f"stagewise train: {config.world_size} local processes ({config.stages} stages x dp {config.dp}), "
+              f"run folder {out}", flush=True)  # fmt: skip
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        on_gpus = gpus >= config.world_size
-        if ns.max_restarts and config.checkpoint_dir is None:
-            raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
-        preflight(config)
-        found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir and not config.resume else None
-        if found is not None:  # refused here, before any process starts (and is restarted to meet it again)
-            raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
         results = launch(
             run_rank,
             config.world_size,
             config,
             logging.getLogger("stagewise").isEnabledFor(logging.DEBUG),
-            device="auto" if on_gpus else "cpu",
+            device="auto" if gpus >= config.world_size else "cpu",
             tee=False,
             max_restarts=ns.max_restarts,
             layout=Layout(config.stages, config.dp),
             pin_cores=ns.pin_cores,
+            pass_stop_signals=True,
         )
         summary = results[0]
-    for line in report(summary, ns.out):
-        print(line)
-    sys.stdout.flush()
-    return 0
+    for line in report(summary, out):
+        print(line, flush=True)
+    if summary.stopped is None:
+        return 0
+    again = "python -m stagewise train --resume" + (f" --out {out}" if ns.out is not None else "")
+    print(
+        f"stopped by {summary.stopped} after step {summary.first_step + len(summary.losses)} of {config.steps}; "
+        f"checkpoint {summary.checkpoint or 'none (--no-checkpoints)'}; continue with: {again}",
+        flush=True,
+    )
+    return 130 if summary.stopped == "SIGINT" else 0

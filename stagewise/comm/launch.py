@@ -6,15 +6,18 @@ import contextlib
 import functools
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal, TypedDict, TypeVar
 
 import torch
@@ -114,6 +117,10 @@ class LaunchOptions(TypedDict, total=False):
     ``sched_setaffinity``), set before ``fn`` runs so the threads it starts (gloo's among them) stay there
     (default False: the OS places them). On a machine whose cores the ranks fill, this keeps gloo's threads
     from waiting behind another rank's compute."""
+    pass_stop_signals: bool
+    """Pass SIGTERM and SIGINT on to the processes and let them end as they choose (default False: torch's agent
+    stops them at once on either). A process that handles them (``stagewise.run.StopSignals``) can finish its step
+    and save; its result comes back as usual."""
 
 
 def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[LaunchOptions]) -> dict[int, T]:
@@ -285,6 +292,26 @@ def job_token(*, new: bool, timeout: float) -> str | None:
     return bytes(store.compare_set(JOB_TOKEN_KEY, "", fresh)).decode()
 
 
+def _pass_on(signum: int, frame: FrameType | None) -> None:
+    for child in multiprocessing.active_children():  # the agent's worker processes are this process's children
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _passing_stop_signals(active: bool) -> Iterator[None]:
+    """Within, SIGTERM and SIGINT to this process go on to its processes (see ``pass_stop_signals``)."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _run(
     entrypoint: Callable[..., Any] | str, args: Sequence[Any], nprocs: int, options: LaunchOptions
 ) -> dict[int, Any]:
@@ -342,13 +369,14 @@ def _run(
             max_restarts=max_restarts,
             monitor_interval=options.get("monitor_interval", 0.1),
             start_method=start_method,
+            signals_to_handle="SIGHUP,SIGQUIT" if options.get("pass_stop_signals") else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
             local_addr=host if host in (LOOPBACK, "localhost") else None,
             logs_specs=DefaultLogsSpecs(log_dir=logs, tee=Std.ALL)
             if options.get("tee", True)
             else DefaultLogsSpecs(log_dir=logs, redirects=Std.NONE, tee=Std.NONE),
         )
         try:
-            with _environment(children):
+            with _environment(children), _passing_stop_signals(options.get("pass_stop_signals", False)):
                 result = elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as err:
             raise LaunchError(failures_of(err, Path(logs), options.get("layout"))) from None

@@ -33,6 +33,7 @@ from stagewise.pipeline import (
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
 from stagewise.run.resume import starting_point
+from stagewise.run.stopping import StopSignal, StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Summary:
     """The last checkpoint written."""
     skipped: list[int] = field(default_factory=list)
     """Steps skipped for a non-finite loss."""
+    stopped: StopSignal | None = None
+    """The signal that ended the run at the end of a step, before its last (see :class:`StopSignals`)."""
 
     def throughput(self) -> float:
         """Tokens (or samples) per second over the run's steps after the first."""
@@ -210,12 +213,15 @@ def train(
     *,
     on_start: Callable[[Pipeline], None] | None = None,
     on_step: StepCallback | None = None,
+    stop: StopSignals | None = None,
 ) -> Summary:
     """Run ``config`` on this rank of a job started by torchrun or :func:`stagewise.comm.launch`.
 
     ``on_start(pipe)`` runs once the pipeline is built; ``on_step(step, loss,
     seconds)`` after every step. Returns this rank's :class:`Summary` (the
-    losses are the global batch's on every rank).
+    losses are the global batch's on every rank). With ``stop``, a signal it
+    caught on any rank ends the run after the step it arrived in, with a
+    checkpoint there (when the run writes any); ``Summary.stopped`` names it.
 
     Where it starts, afresh or from a checkpoint, is :func:`~stagewise.run.resume.starting_point`'s choice. A
     restart that finds its job's checkpoint at the last step trains nothing: it evaluates, and returns a
@@ -254,13 +260,16 @@ def train(
         done = step + 1
         if on_step is not None:
             on_step(done, loss, seconds)
-        if config.checkpoint_dir is not None and _due(done, end, config.checkpoint_every):
+        summary.stopped = stop.agreed(pipe.device) if stop is not None and done < end else None
+        if config.checkpoint_dir is not None and (summary.stopped or _due(done, end, config.checkpoint_every)):
             wraps = index + 1 == loader.steps_per_epoch
             progress = checkpoint.Progress(
                 done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size,
                 seed=config.seed, sample_length=config.tokens_per_sample,
             )  # fmt: skip
             summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
+        if summary.stopped:
+            break
         if _due(done, end, config.eval_every):
             summary.evals.append((done, _evaluate(pipe, val_loader, config)))
     if position.step >= end:  # a restart after this job's last save (starting_point): only the evaluation is left

@@ -64,6 +64,16 @@ def starting_point(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.O
     return Start(position, found)
 
 
+def check_resume(config: TrainConfig) -> None:
+    """What resuming ``config`` would refuse, checked by a launcher before it starts any process: a checkpoint
+    whose data the run would not continue, or a run with nothing left to train (see :func:`check_resumable`)."""
+    if not config.resume or config.checkpoint_dir is None:
+        return
+    found = checkpoint.latest(config.checkpoint_dir)
+    if found is not None:
+        check_resumable(config, found, checkpoint.progress_of(found), restart=False)
+
+
 def check_resumable(config: TrainConfig, found: Path, position: checkpoint.Progress, *, restart: bool) -> None:
     """Refuse a resume whose data would not continue the checkpoint's, or that has nothing left to train; but a
     ``restart`` of the job that wrote ``found`` may find it at the last step (a rank died after the last save):

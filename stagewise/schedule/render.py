@@ -16,16 +16,11 @@ COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.I: "#8CC084", Kind.W: "#DD
 
 
 def _pyplot() -> Any:
-    try:
-        import matplotlib
+    import matplotlib  # imported here, not with the module: the schedule layer loads nothing heavy
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise ImportError(
-            "render() draws with matplotlib, which is not installed; "
-            "install the plot extra: pip install 'stagewise[plot]' (or pip install matplotlib)"
-        ) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 

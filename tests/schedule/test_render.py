@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ def timeline() -> tuple:  # type: ignore[type-arg]
 
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_render_writes_a_picture(tmp_path: Path, suffix: str) -> None:
-    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     out = render(timeline(), tmp_path / f"zb{suffix}", title="zero-bubble")
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") if suffix == ".png" else b"<svg" in data[:2000]
@@ -25,7 +23,6 @@ def test_render_writes_a_picture(tmp_path: Path, suffix: str) -> None:
 
 
 def test_render_draws_one_ranks_executed_events_and_instant_actions(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
     # A rank's own events (Pipeline.last_result.events) hold one rank of several stages: each stage shades by its
     # place among that rank's stages, not by a rank count read off the events (which gave a negative alpha).
     interleaved = simulate(build("interleaved-1f1b", 16, 4, n_virtual=4), StageCosts.of(16)).timeline
@@ -35,12 +32,6 @@ def test_render_draws_one_ranks_executed_events_and_instant_actions(tmp_path: Pa
     assert render(rank3, tmp_path / "rank3.png").stat().st_size > 5000
     instant = simulate(build("1f1b", 2, 2), StageCosts.of(2, forward=0.0, backward=0.0)).timeline
     assert render(instant, tmp_path / "instant.png").stat().st_size > 1000
-
-
-def test_render_without_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(ImportError, match=r"pip install 'stagewise\[plot\]'"):
-        render(timeline(), tmp_path / "x.png")
 
 
 def test_render_refuses_an_empty_timeline(tmp_path: Path) -> None:
