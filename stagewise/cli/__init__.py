@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from stagewise.cli import partition, plan, schedule, train
-from stagewise.cli.args import LOG_FORMAT
+from stagewise.cli.args import LOG_FORMAT, JobFailedError
 from stagewise.comm import LaunchError
 
 
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"stagewise {ns.command}: error: {err}", file=sys.stderr)
         return 2
-    except LaunchError as err:
+    except (LaunchError, JobFailedError) as err:
         print(f"stagewise {ns.command}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the processes started, or a second Ctrl-C: no traceback

@@ -78,3 +78,7 @@ def check_seq_len(seq_len: int | None, model: str) -> None:
     """Refuse ``--seq-len`` for a preset that reads no sequences (every preset but the GPT ones)."""
     if seq_len is not None and not isinstance(PRESETS[model], GPTConfig):
         raise ValueError(f"--seq-len applies to the GPT presets; {model} takes no sequence: leave it out")
+
+
+class JobFailedError(Exception):
+    """A job whose processes failed, told in one line (the whole report is in the log it names)."""

@@ -15,7 +15,8 @@ import torch
 
 from stagewise import checkpoint
 from stagewise.cli import args
-from stagewise.comm import Layout, launch
+from stagewise.cli.args import JobFailedError
+from stagewise.comm import LaunchError, Layout, launch
 from stagewise.models import PRESETS, GPTConfig, preset
 from stagewise.pipeline import Pipeline
 from stagewise.plan import load_plan
@@ -26,6 +27,8 @@ from stagewise.run.stopping import StopSignals
 from stagewise.schedule import ScheduleName
 
 DEFAULTS = TrainConfig()
+TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+"""The loggers of torch's agent, which the launching process quiets unless asked to be verbose."""
 IN_RUN_FOLDER = "RUN/checkpoints"
 """--checkpoint-dir's default: ``checkpoints/`` in the run's folder, whichever it is."""
 PLANNED = (
@@ -338,6 +341,34 @@ def _made_folder(ns: argparse.Namespace, config: TrainConfig, chosen: Path | Non
     return out, config
 
 
+def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[int, Summary]:
+    """Run ``config`` on local processes; a failure is one line naming the rank, its stage and the cause, with
+    the whole report (every rank's traceback) in ``out/error.log``."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    verbose = logging.getLogger("stagewise").isEnabledFor(logging.DEBUG)
+    if not verbose:  # torch's agent logs a failed rank's traceback too: the user gets one line, the log the rest
+        for name, logger in list(logging.root.manager.loggerDict.items()):
+            if isinstance(logger, logging.Logger) and name.startswith(TORCH_LAUNCHER_LOGGERS):
+                logger.setLevel(logging.CRITICAL)
+    try:
+        return launch(
+            run_rank,
+            config.world_size,
+            config,
+            verbose,
+            device="auto" if gpus >= config.world_size else "cpu",
+            tee=False,
+            max_restarts=ns.max_restarts,
+            layout=Layout(config.stages, config.dp),
+            pin_cores=ns.pin_cores,
+            pass_stop_signals=True,
+        )
+    except LaunchError as err:
+        log = out / "error.log"
+        log.write_text(f"{err}\n")
+        raise JobFailedError(f"{err.headline} (the full report: {log})") from None
+
+
 def run(ns: argparse.Namespace) -> int:
     torchrun = _under_torchrun()
     chosen = _chosen_folder(ns, torchrun)
@@ -351,19 +382,7 @@ def run(ns: argparse.Namespace) -> int:
     else:
         print(f"stagewise train: {config.world_size} local processes ({config.stages} stages x dp {config.dp}), "
               f"run folder {out}", flush=True)  # fmt: skip
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        results = launch(
-            run_rank,
-            config.world_size,
-            config,
-            logging.getLogger("stagewise").isEnabledFor(logging.DEBUG),
-            device="auto" if gpus >= config.world_size else "cpu",
-            tee=False,
-            max_restarts=ns.max_restarts,
-            layout=Layout(config.stages, config.dp),
-            pin_cores=ns.pin_cores,
-            pass_stop_signals=True,
-        )
+        results = _launched(ns, config, out)
         summary = results[0]
     for line in report(summary, out):
         print(line, flush=True)

@@ -118,3 +118,20 @@ def test_sigterm_and_ctrl_c_stop_at_a_step_with_a_checkpoint_and_resume_continue
     assert stopped_run["first_step"] == 0 and len(stopped_run["losses"]) == second
     assert stopped_run["losses"] == reference["losses"][:second]
     assert (runs[0] / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(200)
+def test_a_failure_in_a_rank_is_one_line_with_the_log_that_holds_the_rest(tmp_path: Path) -> None:
+    # The traceback of every rank, and torch's agent's own report of it, reached the terminal: 40 lines.
+    code, _, err = _train(tmp_path, "--lr", "1e9")  # AdamW at that rate makes the loss NaN within steps
+    assert code == 1
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line and not line.startswith("train:")]
+    assert len(lines) == 1, lines
+    failed = re.fullmatch(
+        r"stagewise train: rank 1 \(stage 1, replica 0\) failed: NonFiniteLossError: the loss is nan at step \d+ "
+        r".*\(the full report: (\S+)\)",
+        lines[0],
+    )
+    assert failed is not None, lines[0]
+    log = (tmp_path / failed[1]).read_text()
+    assert "Traceback (most recent call last)" in log and "NonFiniteLossError" in log
