@@ -6,16 +6,29 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from stagewise.cli import partition, plan, schedule, train
-from stagewise.cli.args import LOG_FORMAT, JobFailedError
+from stagewise.cli.args import LOG_FORMAT, DefaultsFormatter, JobFailedError
 from stagewise.comm import LaunchError
 
 
+class _WithDefaults(argparse.ArgumentParser):
+    """A command's parser, whose help shows each option's default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="stagewise", description=__doc__)
+    top = argparse.ArgumentParser(
+        prog="stagewise",
+        description="The command line of stagewise: train runs the main job, plan picks its layout, partition and "
+        "schedule inspect a split and a schedule.",
+    )
     top.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
-    commands = top.add_subparsers(dest="command", required=True)
+    commands = top.add_subparsers(dest="command", required=True, parser_class=_WithDefaults)
     train.add(commands)
     plan.add(commands)
     partition.add(commands)

@@ -82,3 +82,13 @@ def check_seq_len(seq_len: int | None, model: str) -> None:
 
 class JobFailedError(Exception):
     """A job whose processes failed, told in one line (the whole report is in the log it names)."""
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends each option with its default, unless the option's own help names it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"

@@ -250,7 +250,9 @@ def run(ns: argparse.Namespace) -> int:
     cluster = _cluster(ns)
     work = _workload(ns, model, sample, tokens)
     params = sum(p.numel() for p in model.parameters())
-    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {cluster.describe()}")
+    devices = cluster.describe(speeds=not ns.profile)
+    measured = f"; layer times measured on {ns.device or 'cpu'}" if ns.profile else ""
+    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {devices}{measured}")
     result = plan(work, cluster)
     _show(result, work, ns.top)
     if result.best is None:

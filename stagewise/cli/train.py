@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, get_args
 
@@ -341,6 +342,18 @@ def _made_folder(ns: argparse.Namespace, config: TrainConfig, chosen: Path | Non
     return out, config
 
 
+def crowding(processes: int, cores: int | None = None) -> str | None:
+    """Why ``processes`` local processes on ``cores`` CPU cores (this process's, by default) will be slow, if so."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if processes <= cores:
+        return None
+    return (
+        f"{processes} processes share {cores} CPU cores, so each step waits for processes that are not running; "
+        f"at most {cores} processes (--stages x --dp) run at full speed"
+    )
+
+
 def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[int, Summary]:
     """Run ``config`` on local processes; a failure is one line naming the rank, its stage and the cause, with
     the whole report (every rank's traceback) in ``out/error.log``."""
@@ -382,6 +395,9 @@ def run(ns: argparse.Namespace) -> int:
     else:
         print(f"stagewise train: {config.world_size} local processes ({config.stages} stages x dp {config.dp}), "
               f"run folder {out}", flush=True)  # fmt: skip
+        crowded = crowding(config.world_size)
+        if crowded is not None and not torch.cuda.is_available():
+            print(f"stagewise train: warning: {crowded}", file=sys.stderr, flush=True)
         results = _launched(ns, config, out)
         summary = results[0]
     for line in report(summary, out):

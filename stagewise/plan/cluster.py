@@ -72,12 +72,15 @@ class Cluster:
             )
         return out
 
-    def describe(self) -> str:
-        """The devices in rank order, equal neighbours as one group: ``4 x 80.00 GiB at 4e+14 FLOP/s, ...``."""
+    def describe(self, *, speeds: bool = True) -> str:
+        """The devices in rank order, equal neighbours as one group: ``4 x 80.00 GiB at 4e+14 FLOP/s, ...``;
+        without ``speeds`` (times measured, not derived from FLOP/s) only their memory."""
         bandwidths = {d.memory_bandwidth for d in self.devices}
         groups = []
         for device, run in itertools.groupby(self.devices):
-            text = f"{len(list(run))} x {format_bytes(device.memory)} at {device.flops:.3g} FLOP/s"
+            text = f"{len(list(run))} x {format_bytes(device.memory)}"
+            if speeds:
+                text += f" at {device.flops:.3g} FLOP/s"
             if len(bandwidths) > 1:
                 text += f" and {format_bytes(device.memory_bandwidth)}/s"
             groups.append(text)

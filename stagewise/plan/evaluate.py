@@ -109,6 +109,13 @@ def _seconds(
     return seconds
 
 
+def _shared_device(n_virtual: int) -> str:
+    """Why a stage's memory is a fraction of its device's, where it is."""
+    if n_virtual == 1:
+        return ""
+    return f"; each device holds {n_virtual} stages of the interleaved schedule, so a stage gets 1/{n_virtual} of it"
+
+
 def _transient_error(transient: Sequence[float], have: Sequence[float], recompute: float, loss: float) -> str | None:
     """Why computing one micro-batch (``transient`` bytes per stage) overflows a stage's ``have``, if it does."""
     last = len(transient) - 1
@@ -136,7 +143,10 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
     smallest = min(d.memory for d in devices) / v
     if recompute >= smallest:
-        return f"recomputing one layer needs {recompute / 2**30:.1f} GiB >= {smallest / 2**30:.1f} GiB per stage"
+        return (
+            f"recomputing one layer needs {recompute / 2**30:.1f} GiB >= {smallest / 2**30:.1f} GiB per stage"
+            f"{_shared_device(v)}"
+        )
     # What the loss holds beyond the output-sized tensor _scaled counts as saved.
     loss_extra = 0.0 if workload.loss_bytes is None else max(0.0, workload.loss_bytes * factor - costs[-1].output_bytes)
     every = range(len(costs))
@@ -145,7 +155,7 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     have = [devices[schedule.rank_of(s)].memory / v for s in range(n_stages)]
     why = _transient_error(transient, have, recompute, loss_extra)
     if why is not None:
-        return why
+        return why + _shared_device(v)
     loss_f, loss_b = workload.loss_seconds
     return _Setting(
         schedule=schedule,
@@ -197,7 +207,7 @@ def _balanced(option: Option, setting: _Setting, weights: Sequence[float]) -> Pa
         need, cap = _gib(
             lean.loads[worst] + setting.transient[worst], setting.capacities[worst] + setting.transient[worst]
         )
-        reason = f"stage {worst} needs {need} GiB > {cap} GiB (in the leanest split)"
+        reason = f"stage {worst} needs {need} GiB > {cap} GiB (in the leanest split){_shared_device(option.n_virtual)}"
         # A rank of v such stages; it computes one micro-batch at a time, so holds the transient once.
         rank = lean.loads[worst] * option.n_virtual + setting.transient[worst]
         return dataclasses.replace(option, rejected=reason, rank_memory=(rank,))

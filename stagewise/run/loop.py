@@ -121,6 +121,18 @@ def _evaluate(pipe: Pipeline, loader: StageLoader, config: TrainConfig) -> float
     return sum(losses) / len(losses)
 
 
+TRAINING, VALIDATION = "the training split", "the validation split (the data held out)"
+"""What a loader's refusal names: the data it was given."""
+
+
+def _named(split: str, make: Callable[[], StageLoader]) -> StageLoader:
+    """``make()``, with a refusal saying which split it refused."""
+    try:
+        return make()
+    except ValueError as err:
+        raise ValueError(f"{split}: {err}") from err
+
+
 def preflight(config: TrainConfig) -> None:
     """What :func:`train` would refuse in ``config`` before its first step, checked in this process alone: the
     model's layers against the stages, the schedule, the data and the batches. A launcher calls it before it
@@ -138,11 +150,11 @@ def preflight(config: TrainConfig) -> None:
         options=pipeline_options(config),
     )  # fmt: skip
     train_data, val_data = _datasets(config, model_config)
-    for data, shuffle in ((train_data, True), (val_data, False)):
-        StageLoader(
+    for split, data, shuffle in ((TRAINING, train_data, True), (VALIDATION, val_data, False)):
+        _named(split, lambda data=data, shuffle=shuffle: StageLoader(  # type: ignore[misc]
             data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
             n_microbatches=config.microbatches, options=LoaderOptions(shuffle=shuffle),
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 def build_pipeline(config: TrainConfig) -> Pipeline:
@@ -233,13 +245,13 @@ def train(
         on_start(pipe)
     model_config = preset(config.model)
     train_data, val_data = _datasets(config, model_config)
-    loader = StageLoader.of(
+    loader = _named(TRAINING, lambda: StageLoader.of(
         pipe, train_data, global_batch_size=config.batch_size, options=LoaderOptions(seed=config.seed)
-    )
+    ))  # fmt: skip
     # Built now, so that a validation split too small for one batch fails before training, not after it.
-    val_loader = StageLoader.of(
+    val_loader = _named(VALIDATION, lambda: StageLoader.of(
         pipe, val_data, global_batch_size=config.batch_size, options=LoaderOptions(shuffle=False)
-    )
+    ))  # fmt: skip
     optimizer = _optimizer(config, pipe)
     start = starting_point(config, pipe, optimizer)
     position, found = start.position, start.checkpoint

@@ -40,17 +40,21 @@ def render(timeline: Sequence[Event], path: str | Path, *, title: str | None = N
     stages = {r: sorted({e.action.stage for e in timeline if e.rank == r}) for r in ranks}
     end = max(e.end for e in timeline)
     fig, ax = plt.subplots(figsize=(max(6.0, min(24.0, 0.45 * end + 1.5)), 0.5 * len(ranks) + 1.2))
+    thinnest = end / 250  # a box drawn any thinner is invisible: a cheap stage (an embedding) keeps its boxes
     for e in timeline:
         mine = stages[e.rank]
+        width = max(e.end - e.start, thinnest)
         ax.broken_barh(
-            [(e.start, e.end - e.start)],
+            [(e.start, width)],
             (row[e.rank] - 0.4, 0.8),
             facecolors=COLOURS[e.action.kind],
             edgecolors="white",
             alpha=1.0 - 0.45 * mine.index(e.action.stage) / len(mine),
         )
+        if width < end / 80:  # no room for its label
+            continue
         ax.text(
-            (e.start + e.end) / 2,
+            e.start + width / 2,
             row[e.rank],
             str(e.action.microbatch),
             ha="center",

@@ -300,3 +300,23 @@ def test_the_summary_is_strict_json_when_a_step_was_skipped(tmp_path: Path) -> N
     text = (tmp_path / "summary.json").read_text()
     data = json.loads(text, parse_constant=lambda word: pytest.fail(f"not strict JSON: {word}"))
     assert data["losses"] == [2.5, None, 2.0] and data["skipped"] == [2]
+
+
+def test_more_processes_than_cores_are_named_with_the_numbers() -> None:
+    # --dp 8 on 2 cores started 16 processes without a word.
+    assert cli_train.crowding(16, 2) == (
+        "16 processes share 2 CPU cores, so each step waits for processes that are not running; at most 2 processes "
+        "(--stages x --dp) run at full speed"
+    )
+    assert cli_train.crowding(2, 2) is None
+
+
+def test_help_shows_the_defaults_and_no_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "``" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "optimizer steps (the schedule's length) (default: 300)" in text
+    assert "warm-up steps (default: 10)" in text

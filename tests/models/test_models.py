@@ -105,7 +105,7 @@ def test_cnn_widths_that_group_norm_cannot_split_are_refused() -> None:
 def test_a_corpus_given_is_read_whole_and_a_limit_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # Every corpus was cut to its first 8 MiB without a word, and its validation split taken from that part.
     corpus = tmp_path / "big.txt"
-    corpus.write_bytes(bytes(range(256)) * (9 << 12))  # 9 MiB
+    corpus.write_bytes(bytes(range(32, 128)) * ((9 << 20) // 96))  # 9 MiB of printable text
     assert read_corpus(corpus).numel() == 9 << 20
     splits = text_splits(corpus, 64)
     assert splits.val.data.numel() == (9 << 20) - int((9 << 20) * 0.95)  # the held-out end of the whole text
@@ -115,6 +115,15 @@ def test_a_corpus_given_is_read_whole_and_a_limit_says_so(tmp_path: Path, caplog
     assert read_corpus().numel() == 8 << 20  # the standard library's source stays capped: no warning
     with pytest.raises(ValueError, match=r"limit must be a number of bytes >= 1, got 0"):
         read_corpus(corpus, limit=0)
+
+
+def test_a_binary_file_is_refused_as_data(tmp_path: Path) -> None:
+    # A program given as --data was trained on, byte by byte, without a word.
+    program = tmp_path / "program"
+    program.write_bytes(bytes(range(256)) * 64 + b"\0" * 4096)
+    with pytest.raises(ValueError, match=r"program does not look like text: 29% of its first 20480 bytes are control"):
+        read_corpus(program)
+    assert read_corpus(Path(__file__)).numel() > 0  # this file is text
 
 
 class _CountingFile:

@@ -72,6 +72,11 @@ def test_a_rejection_names_the_stage_that_overflows_its_own_device() -> None:
     option = evaluate(Option(2, 1, 1, 4, "1f1b", False), work, cluster)
     assert option.rejected == "stage 1 needs 5.000001 GiB > 5.000000 GiB (in the leanest split)"
     assert option.rank_memory == (5 * GiB + 1024,)  # stage 1 with its one layer, not stage 0 with three (12 GiB)
+    # Interleaved, each device holds two stages: a rejection against half a device's memory says why it is half.
+    interleaved = evaluate(Option(2, 1, 2, 4, "interleaved-1f1b", False), work, cluster)
+    assert interleaved.rejected is not None and interleaved.rejected.endswith(
+        "; each device holds 2 stages of the interleaved schedule, so a stage gets 1/2 of it"
+    ), interleaved.rejected
 
 
 def test_mixed_devices_shape_the_partition() -> None:

@@ -113,7 +113,7 @@ def test_a_validation_split_smaller_than_a_batch_fails_before_training(tmp_path:
     text = tmp_path / "small.txt"
     text.write_text("".join(chr(97 + i % 26) for i in range(2000)))
     message, steps = run_ranks(tiny_validation, 1, str(text), timeout=120)[0]
-    assert "fewer than one batch of 8" in message
+    assert message.startswith("the validation split (the data held out): ") and "fewer than one batch of 8" in message
     assert steps == 0
 
 
