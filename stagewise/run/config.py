@@ -31,11 +31,11 @@ class TrainConfig:
     """Pipeline schedule."""
     microbatches: int = 4
     """Micro-batches per step and replica."""
-    batch_size: int = 32
+    batch_size: int = 16
     """Samples per step over all replicas (the global batch)."""
     seq_len: int = 128
     """Tokens per sequence, for GPT presets."""
-    steps: int = 300
+    steps: int = 400
     """Optimizer steps in all; the learning-rate schedule spans them."""
     stop_after: int | None = None
     """End this run after this step, with a checkpoint, to resume later (a job time limit); None runs to the end."""

@@ -223,8 +223,8 @@ def test_launcher_options_reach_launch_and_are_refused_under_torchrun(
 def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--model", "gpt-tiny", "--resume", "--no-checkpoints"]) == 2
     assert "resume needs checkpoint_dir" in capsys.readouterr().err
-    assert main(["train", "--stop-after", "400"]) == 2
-    assert "stop_after must be in 1..steps=300, got 400" in capsys.readouterr().err
+    assert main(["train", "--stop-after", "500"]) == 2
+    assert "stop_after must be in 1..steps=400, got 500" in capsys.readouterr().err
     assert main(["train", "--stop-after", "4", "--no-checkpoints"]) == 2  # was accepted: nothing to resume from
     assert "stop_after=4 ends the run to resume it later, but without checkpoint_dir nothing is saved" in (
         capsys.readouterr().err
@@ -318,5 +318,5 @@ def test_help_shows_the_defaults_and_no_markup(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "optimizer steps (the schedule's length) (default: 300)" in text
+    assert "optimizer steps (the schedule's length) (default: 400)" in text
     assert "warm-up steps (default: 10)" in text
