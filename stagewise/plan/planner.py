@@ -80,6 +80,12 @@ def plan(workload: Workload, cluster: Cluster, *, options: Sequence[Option] | No
 def load_plan(text: str) -> dict[str, Any]:
     """A plan written by :meth:`Plan.to_json`, checked for the fields ``train --plan`` needs."""
     data = json.loads(text)
+    if isinstance(data, dict) and "bounds" in data and "stages" not in data:
+        raise ValueError(
+            f"this is a partition (stagewise partition --json: the stage bounds {data['bounds']} alone), not a plan, "
+            "which also holds the model, the layout and the batch; write one with `stagewise plan --json PLAN`, "
+            "or pass the bounds to train as TrainConfig(partition=...)"
+        )
     need = ("model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size", "partition")
     missing = [k for k in need if k not in data]
     if missing:

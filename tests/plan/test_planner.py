@@ -16,7 +16,7 @@ from torch import nn
 from stagewise.cli import main, parser
 from stagewise.cli.train import config_of
 from stagewise.models import build, preset
-from stagewise.partition import LayerCost, LiveBytes
+from stagewise.partition import LayerCost, LiveBytes, Partition
 from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.workload import Workload, measure_optimizer, workload
@@ -364,3 +364,11 @@ def test_the_last_stage_holds_the_losss_working_tensors() -> None:
     assert split.rejected is None
     unknown = evaluate(Option(1, 1, 1, 4, "1f1b", False), dataclasses.replace(work, loss_bytes=None), cluster)
     assert split.rank_memory[0] - unknown.rank_memory[0] == GiB  # what the loss holds beyond the output it reads
+
+
+def test_a_partition_file_given_as_a_plan_says_what_it_is() -> None:
+    # `stagewise partition --json plan.json`, then `train --plan plan.json`: "the plan lacks ['model', ...]".
+    with pytest.raises(
+        ValueError, match=r"this is a partition \(stagewise partition --json: the stage bounds \[0, 2, 4\]"
+    ):
+        load_plan(Partition.from_bounds((0, 2, 4)).to_json())
