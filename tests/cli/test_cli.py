@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stagewise.cli import main, parser
+from stagewise.cli import main, parser, run_report
 from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
@@ -296,7 +296,7 @@ def test_the_summary_is_strict_json_when_a_step_was_skipped(tmp_path: Path) -> N
     # A skipped step's NaN loss was written as a bare NaN, which strict JSON readers refuse.
     summary = Summary({"model": "gpt-tiny"}, [0, 7], 10, 0, losses=[2.5, float("nan"), 2.0], skipped=[2])
     summary.step_seconds = [0.1, 0.1, 0.1]
-    cli_train.report(summary, tmp_path)
+    run_report.report(summary, tmp_path)
     text = (tmp_path / "summary.json").read_text()
     data = json.loads(text, parse_constant=lambda word: pytest.fail(f"not strict JSON: {word}"))
     assert data["losses"] == [2.5, None, 2.0] and data["skipped"] == [2]
