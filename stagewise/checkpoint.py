@@ -291,9 +291,13 @@ class _Reading:
 
 
 def _reading(
-    path: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None, reader: SafeReader, stored: Mapping[str, Any]
+    path: Path,
+    pipe: Pipeline,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    reader: SafeReader,
+    stored: Mapping[str, Any],
 ) -> _Reading:
-    model_state = pipe.state_dict()
     device = pipe.device
     state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
     ties = _held_ties(pipe, model_state, stored)
@@ -317,7 +321,13 @@ def _reading(
     return _Reading(state, ties, wanted, rng if rng in stored else None)
 
 
-def _apply(read: _Reading, path: Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None) -> None:
+def _apply(
+    read: _Reading,
+    path: Path,
+    pipe: Pipeline,
+    model_state: Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
     """Copy what ``read`` holds that was not read in place: tied parameters, optimizer state, the RNG state."""
     state, ties = read.state, read.ties
     differ = [names for names in ties if not all(torch.equal(state[MODEL + names[0]], state[MODEL + n]) for n in names)]
@@ -327,7 +337,6 @@ def _apply(read: _Reading, path: Path, pipe: Pipeline, optimizer: torch.optim.Op
             "that this model ties into one (on some rank): it was saved from a model that does not tie them; "
             "load a checkpoint of the same model"
         )
-    model_state = pipe.state_dict()
     with torch.no_grad():
         for names in ties:
             for name in names:
@@ -354,12 +363,12 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     model_state = pipe.state_dict()
     _check_keys(model_state, pipe.model_keys, stored, path)
     _check_shapes(model_state, stored, path)
-    read = _reading(path, pipe, optimizer, reader, stored)
+    read = _reading(path, pipe, model_state, optimizer, reader, stored)
     try:
         dcp_load(read.state, storage_reader=reader)
     except (Exception, CheckpointException) as err:  # DCP gathers every rank's failure in a BaseException
         raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
-    _apply(read, path, pipe, optimizer)
+    _apply(read, path, pipe, model_state, optimizer)
     progress = _progress(read.state[PROGRESS])
     log.info("loaded %s: step %d", path, progress.step)
     return progress
@@ -371,6 +380,13 @@ def _progress(recorded: torch.Tensor) -> Progress:
     return Progress(step, epoch, batch, rest[0] if rest and rest[0] else None, *order)
 
 
+def _load_alone(state: dict[str, Any], reader: SafeReader) -> None:
+    """DCP's load into ``state`` in this process alone, whether or not a process group exists."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp_load(state, storage_reader=reader, no_dist=True)
+
+
 def progress_of(path: str | Path) -> Progress:
     """The training progress a checkpoint recorded, read alone in this process (no process group needed): what
     a launcher checks a resume against before it starts any process."""
@@ -380,9 +396,7 @@ def progress_of(path: str | Path) -> Progress:
         raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
     state = {PROGRESS: _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))}
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp_load(state, storage_reader=reader, no_dist=True)
+        _load_alone(state, reader)
     except (Exception, CheckpointException) as err:
         raise CheckpointError(f"reading the checkpoint {path} failed (corrupt or truncated?): {_reason(err)}") from err
     return _progress(state[PROGRESS])
@@ -398,9 +412,7 @@ def export(path: str | Path, out: str | Path) -> Path:
     state = {k: _empty_like_stored(v, k, torch.device("cpu")) for k, v in stored.items() if k.startswith(MODEL)}
     if not state:
         raise CheckpointError(f"the checkpoint {path} holds no model entries")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp_load(state, storage_reader=reader, no_dist=True)
+    _load_alone(state, reader)
     plain = {k[len(MODEL) :]: v for k, v in state.items()}
     torch.save(plain, out)
     return Path(out)

@@ -48,9 +48,9 @@ class LaunchError(RuntimeError):
     def __init__(self, failures: Sequence[RankFailure]) -> None:
         self.failures = tuple(failures)
         first = self.failures[0]
-        self.headline = f"{first.who} failed{first.how}".splitlines()[0]
-        """The first failure in one line: the rank, its place, and the first line of its cause."""
         lines = [f"{first.who} failed{first.how}"]
+        self.headline = lines[0].splitlines()[0]
+        """The first failure in one line: the rank, its place, and the first line of its cause."""
         if first.traceback:
             lines.append(first.traceback.rstrip())
         for other in self.failures[1:]:

@@ -94,24 +94,27 @@ def read_corpus(path: str | Path | None = None, *, limit: int | None = None) -> 
             break
     if size < 2:
         raise ValueError(f"the corpus at {root} holds {size} bytes of text; pass a file or folder with text in it")
-    _check_text(chunks, root)
+    data = b"".join(chunks)
+    _check_text(data[:TEXT_CHECKED], root)
     log.info("read %d bytes from %d files under %s", size, len(chunks), root)
     if cut and path is not None:
         log.warning("read the first %d bytes of %s, its limit; give a larger one to read more", size, root)
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 BINARY_SHARE = 0.1
 """The share of control bytes (not tab, newline, carriage return or form feed) past which a corpus is binary."""
 
-_TEXT_CONTROLS = frozenset(b"\t\n\r\f")
+TEXT_CHECKED = 64 * 1024
+"""How much of the start of a corpus is checked for :data:`BINARY_SHARE`."""
+
+_CONTROL = bytes(b for b in [*range(32), 127] if b not in b"\t\n\r\f")
 
 
-def _check_text(chunks: list[bytes], root: Path) -> None:
-    """Refuse a corpus that is not text: more than :data:`BINARY_SHARE` of its first 64 KiB are control bytes
-    (an executable, an archive, an image); bytes of UTF-8 text above 127 count as text."""
-    head = b"".join(chunks)[: 64 * 1024]
-    control = sum(1 for byte in head if (byte < 32 and byte not in _TEXT_CONTROLS) or byte == 127)
+def _check_text(head: bytes, root: Path) -> None:
+    """Refuse a corpus whose start ``head`` is not text: more than :data:`BINARY_SHARE` of it control bytes (an
+    executable, an archive, an image); bytes of UTF-8 text above 127 count as text."""
+    control = len(head) - len(head.translate(None, _CONTROL))
     if control > BINARY_SHARE * len(head):
         raise ValueError(
             f"{root} does not look like text: {control / len(head):.0%} of its first {len(head)} bytes are control "

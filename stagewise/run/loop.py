@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -125,10 +126,11 @@ TRAINING, VALIDATION = "the training split", "the validation split (the data hel
 """What a loader's refusal names: the data it was given."""
 
 
-def _named(split: str, make: Callable[[], StageLoader]) -> StageLoader:
-    """``make()``, with a refusal saying which split it refused."""
+@contextlib.contextmanager
+def _named(split: str) -> Iterator[None]:
+    """Within, a refusal (a loader's) says which split it refused."""
     try:
-        return make()
+        yield
     except ValueError as err:
         raise ValueError(f"{split}: {err}") from err
 
@@ -151,10 +153,11 @@ def preflight(config: TrainConfig) -> None:
     )  # fmt: skip
     train_data, val_data = _datasets(config, model_config)
     for split, data, shuffle in ((TRAINING, train_data, True), (VALIDATION, val_data, False)):
-        _named(split, lambda data=data, shuffle=shuffle: StageLoader(  # type: ignore[misc]
-            data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
-            n_microbatches=config.microbatches, options=LoaderOptions(shuffle=shuffle),
-        ))  # fmt: skip
+        with _named(split):
+            StageLoader(
+                data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
+                n_microbatches=config.microbatches, options=LoaderOptions(shuffle=shuffle),
+            )  # fmt: skip
 
 
 def build_pipeline(config: TrainConfig) -> Pipeline:
@@ -245,13 +248,15 @@ def train(
         on_start(pipe)
     model_config = preset(config.model)
     train_data, val_data = _datasets(config, model_config)
-    loader = _named(TRAINING, lambda: StageLoader.of(
-        pipe, train_data, global_batch_size=config.batch_size, options=LoaderOptions(seed=config.seed)
-    ))  # fmt: skip
+    with _named(TRAINING):
+        loader = StageLoader.of(
+            pipe, train_data, global_batch_size=config.batch_size, options=LoaderOptions(seed=config.seed)
+        )
     # Built now, so that a validation split too small for one batch fails before training, not after it.
-    val_loader = _named(VALIDATION, lambda: StageLoader.of(
-        pipe, val_data, global_batch_size=config.batch_size, options=LoaderOptions(shuffle=False)
-    ))  # fmt: skip
+    with _named(VALIDATION):
+        val_loader = StageLoader.of(
+            pipe, val_data, global_batch_size=config.batch_size, options=LoaderOptions(shuffle=False)
+        )
     optimizer = _optimizer(config, pipe)
     start = starting_point(config, pipe, optimizer)
     position, found = start.position, start.checkpoint
