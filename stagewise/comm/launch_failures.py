@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,13 +81,16 @@ def _failed_at(failure: ProcessFailure) -> float:
     """When a rank failed, to list the first failure first.
 
     A rank that raised wrote an error file: its write time, finer than the
-    whole seconds the agent records. One without (killed by a signal) is the
-    failure the agent noticed, and it noticed it before any rank that raised
-    had exited (those wait :data:`stagewise.comm.launch.FAILURE_GRACE`): it comes first.
+    whole seconds the agent records. One without that exited by itself or
+    was killed (by the kernel, say) is the failure the agent noticed, and it
+    noticed it before any rank that raised had exited (those wait
+    :data:`stagewise.comm.launch.FAILURE_GRACE`): it comes first. One that
+    died of SIGTERM without an error file is one the agent stopped after the
+    first failure: it comes last.
     """
     if os.path.isfile(failure.error_file):
         return os.stat(failure.error_file).st_mtime
-    return -math.inf
+    return math.inf if failure.exitcode == -signal.SIGTERM else -math.inf
 
 
 def _raised_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) -> dict[int, ProcessFailure]:

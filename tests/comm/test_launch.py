@@ -182,6 +182,16 @@ def test_a_result_that_cannot_come_back_is_named() -> None:
     )
 
 
+def test_a_rank_the_agent_stopped_comes_after_the_rank_that_exited_by_itself(tmp_path: Path) -> None:
+    # Rank 1 exited with code 2 (an argument error, no error file); the agent then stopped rank 0 with SIGTERM and
+    # recorded both, in the same second.
+    missing = str(tmp_path / "none.json")
+    stopped = ProcessFailure(local_rank=0, pid=10, exitcode=-signal.SIGTERM, error_file=missing)
+    exited = ProcessFailure(local_rank=1, pid=11, exitcode=2, error_file=missing)
+    failures = failures_of(ChildFailedError("job", {0: stopped, 1: exited}), tmp_path)
+    assert [(f.rank, f.exitcode) for f in failures] == [(1, 2), (0, -signal.SIGTERM)]
+
+
 def test_launch_module_reports_the_failing_rank(tmp_path: Path) -> None:
     with pytest.raises(LaunchError) as info:
         launch_module("stagewise", ["partition", "--stages", "0"], 2)
