@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from stagewise.partition.balance import Weights, balance
-from stagewise.partition.layers import Layer, Payload, SharedParameter, layers_of, shared_parameters
+from stagewise.partition.call_spec import Inputs
+from stagewise.partition.layers import Layer, SharedParameter, layers_of, shared_parameters
 from stagewise.partition.memory import MemorySetting
 from stagewise.partition.profile import LayerCost, profile
 from stagewise.partition.shared_cost import Tie
@@ -107,7 +108,7 @@ def params_of(
 def auto(
     model: nn.Module | Sequence[Layer],
     n_stages: int,
-    sample: Payload,
+    sample: Inputs,
     *,
     by: By = "flops",
     speeds: Weights | None = None,

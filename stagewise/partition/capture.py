@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,8 +13,9 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # torch.export imports dynamo: seconds, paid only when capturing
-    from torch.export import ExportedProgram
+    from torch.export import Dim, ExportedProgram
 
+from stagewise.partition.call_spec import CallSpec, Inputs, call_spec, chosen_output
 from stagewise.partition.graph import CaptureError, SegmentGraph, cut
 from stagewise.partition.layers import CHAIN_ATTRIBUTE, Layer, Payload, shared_parameters
 from stagewise.partition.segment import Segment
@@ -54,7 +56,7 @@ class CapturedChain(nn.Module):
     chain, and parameters keep the model's names.
     """
 
-    def __init__(self, model: nn.Module, segments: Sequence[Segment]) -> None:
+    def __init__(self, model: nn.Module, segments: Sequence[Segment], call: CallSpec) -> None:
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)
@@ -67,6 +69,8 @@ class CapturedChain(nn.Module):
         """The captured model (for ``torch.distributed.pipelining.pipeline()``, which traces it again with its own
         tracer)."""
         self.segments = list(segments)
+        self.call = call
+        """How the model takes its inputs (by keyword or position, which sizes), and checks a batch against it."""
 
     def stagewise_layers(self) -> list[Layer]:
         """The segments, as the layers of a chain; each names its parameters in full."""
@@ -78,8 +82,12 @@ class CapturedChain(nn.Module):
             segment.train(mode)
         return self
 
-    def forward(self, *inputs: torch.Tensor) -> Payload:
-        x: Payload = inputs[0] if len(inputs) == 1 else tuple(inputs)
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> Payload:
+        """The model's output (the chosen entry, for a model that returns a mapping) on inputs given as the
+        capture's example gave them."""
+        if args and kwargs:
+            raise TypeError(f"pass {self.call.model}'s inputs by keyword or by position, not both")
+        x = self.call.positional(kwargs if kwargs else args)
         for segment in self.segments:
             x = segment(x)
         return x
@@ -87,6 +95,7 @@ class CapturedChain(nn.Module):
 
 _OWN_NAMES = frozenset(
     {"segment_name", "graph", "captured_on", "captured_training", "bare_output", "record", "source", "segments"}
+    | {"call"}
     | {name for cls in (Segment, CapturedChain) for name in vars(cls) if not name.startswith("__")}
 )
 """Attributes of segments and captured chains, which hold the model's own modules under their names."""
@@ -111,27 +120,88 @@ class _Source:
     model: nn.Module
 
 
-def _example(example: Payload) -> tuple[torch.Tensor, ...]:
-    args = (example,) if isinstance(example, torch.Tensor) else example
+@dataclass(frozen=True)
+class _Example:
+    """The capture's example inputs: their names (keywords, or ``input k``) and tensors, in order."""
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    keywords: bool
+
+
+def _example(example: Inputs) -> _Example:
+    if isinstance(example, Mapping):
+        names = tuple(str(k) for k in example)
+        args: object = tuple(example.values())
+        keywords = True
+    else:
+        args = (example,) if isinstance(example, torch.Tensor) else example
+        names = tuple(f"input {k}" for k in range(len(args))) if isinstance(args, tuple) else ()
+        keywords = False
     if not isinstance(args, tuple) or not args or not all(isinstance(a, torch.Tensor) for a in args):
         raise TypeError(
-            f"the example input must be a tensor or a tuple of tensors (the model's positional inputs for one "
-            f"micro-batch), got {type(example).__name__}"
+            f"the example input must be a tensor, a tuple of tensors (the model's positional inputs for one "
+            f"micro-batch) or a mapping of keyword to tensor, got {type(example).__name__}"
         )
     sizes = {a.shape[0] if a.dim() else None for a in args}
     if None in sizes or len(sizes) != 1:
         raise ValueError(
             f"the example inputs must share their first (batch) dimension, got shapes {[tuple(a.shape) for a in args]}"
         )
-    return args
+    return _Example(names, args, keywords)
 
 
-def _export(
-    model: nn.Module, args: tuple[torch.Tensor, ...], blocks: Sequence[str]
-) -> tuple[ExportedProgram, list[str]]:
+def _on_the_models_device(model: nn.Module, example: _Example) -> _Example:
+    """The example on the meta device when the model is there: the ops that make tensors on the model's device
+    (a causal mask on the weights' device) then say meta, which the segments map to where they run."""
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    if not on_meta or all(t.is_meta for t in example.tensors):
+        return example
+    return _Example(example.names, tuple(t.to("meta") for t in example.tensors), example.keywords)
+
+
+def _length_limit(model: nn.Module) -> int | None:
+    """The longest sequence the model takes, from a Hugging Face style config's ``max_position_embeddings``."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit >= 2 else None
+
+
+def _dynamic_shapes(example: _Example, length: int | None) -> dict[str, dict[int, Dim]] | tuple[dict[int, Dim], ...]:
+    """Dim 0 of every input free (the batch); with ``length`` (the longest allowed), dim 1 of every integer input
+    of at least two dimensions too (token ids, masks: the sequence length)."""
+    from torch.export import Dim
+
+    batch = Dim("batch", min=1)
+    seq = Dim("length", min=2, max=length) if length is not None else None
+    shapes = []
+    for tensor in example.tensors:
+        dims = {0: batch}
+        if seq is not None and tensor.dim() >= 2 and not tensor.is_floating_point():
+            dims[1] = seq
+        shapes.append(dims)
+    if example.keywords:
+        return dict(zip(example.names, shapes, strict=True))
+    return tuple(shapes)
+
+
+@contextmanager
+def _cache_off(model: nn.Module) -> Iterator[None]:
+    """A model with a Hugging Face style config runs with ``use_cache`` off: a cache serves generation, not
+    training, and it is no tensor the graph could return."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "use_cache", None) is not True:
+        yield
+        return
+    config.use_cache = False
+    try:
+        yield
+    finally:
+        config.use_cache = True
+
+
+def _export(model: nn.Module, example: _Example, blocks: Sequence[str], length: int | None) -> _Exported:
     """Export ``model`` with a marker before each block; also the blocks in the order they ran."""
     from torch.distributed.pipelining import pipe_split
-    from torch.export import Dim
 
     order: list[str] = []
 
@@ -149,11 +219,13 @@ def _export(
         except AttributeError as err:
             raise ValueError(f"blocks names {name!r}, which is not a submodule of {type(model).__name__}") from err
         handles.append(module.register_forward_pre_hook(marker(name)))
-    batch = Dim("batch", min=1)
-    if args[0].shape[0] == 1:  # export fixes a dimension of size 1: show it two samples, the batch stays symbolic
-        args = tuple(torch.cat([a, a]) for a in args)
+    tensors = example.tensors
+    if tensors[0].shape[0] == 1:  # export fixes a dimension of size 1: show it two samples, the batch stays symbolic
+        tensors = tuple(torch.cat([a, a]) for a in tensors)
+    args, kwargs = ((), dict(zip(example.names, tensors, strict=True))) if example.keywords else (tensors, None)
     try:
-        ep = torch.export.export(model, args, dynamic_shapes=tuple({0: batch} for _ in args))
+        with _cache_off(model):
+            ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(example, length))
     except Exception as err:
         reason = next((line for line in str(err).splitlines() if line.strip()), "")
         raise CaptureError(
@@ -165,10 +237,24 @@ def _export(
     finally:
         for handle in handles:
             handle.remove()
-    return ep, order
+    return _Exported(ep, order)
 
 
-def capture(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None = None) -> CapturedChain:
+@dataclass(frozen=True)
+class _Exported:
+    program: ExportedProgram
+    order: list[str]
+    """The blocks, in the order they ran."""
+
+
+def capture(
+    model: nn.Module,
+    example: Inputs,
+    *,
+    blocks: Sequence[str] | None = None,
+    output: str = "logits",
+    dynamic_length: bool | None = None,
+) -> CapturedChain:
     """Capture ``model`` with torch.export and cut it before each of its repeated blocks.
 
     The candidate split points are the beginnings of ``blocks`` (by default
@@ -180,10 +266,20 @@ def capture(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None 
     passed on from segment to segment. The batch dimension (dim 0 of every
     input) stays symbolic, so micro-batches of any size run.
 
+    The model is taken as it is: a Hugging Face model needs no wrapper. Its
+    inputs may be given by keyword (``{"input_ids": ..., "attention_mask":
+    ...}``), and the chain then takes them so; a model that returns a mapping
+    (a ``ModelOutput``, a dict, a dataclass) gives its entry ``output``. A
+    model with a Hugging Face style config is captured with its cache off.
+
     Args:
         model: the model, with real weights or on the meta device.
-        example: one micro-batch of its positional inputs: a tensor or a tuple of tensors.
+        example: one micro-batch of its inputs: a tensor, a tuple of tensors, or a mapping of keyword to tensor.
         blocks: paths of the modules to cut before; each must run exactly once per forward.
+        output: the entry of a mapping output that the chain returns (what the loss reads).
+        dynamic_length: whether dim 1 of the integer inputs (token ids, masks) stays free, so that any length up
+            to the model's limit runs; None: when the model's config names that limit (``max_position_embeddings``).
+            A fixed length runs only at the example's length; another is refused by name.
 
     Raises:
         CaptureError: torch.export cannot capture the model, or its graph cannot be cut (the message says why).
@@ -191,16 +287,22 @@ def capture(model: nn.Module, example: Payload, *, blocks: Sequence[str] | None 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture expects an nn.Module, got {type(model).__name__}")
-    args = _example(example)
+    inputs = _on_the_models_device(model, _example(example))
     _check_names(model)
-    ep, order = _export(model, args, _blocks_to_cut(model, blocks))
+    limit = _length_limit(model)
+    free = dynamic_length if dynamic_length is not None else limit is not None
+    exported = _export(model, inputs, _blocks_to_cut(model, blocks), limit if free else None)
+    ep, order = exported.program, exported.order
     repeated = sorted({n for n in order if order.count(n) > 1})
     if repeated:
         raise ValueError(f"blocks {repeated} run more than once per forward; a split point must run exactly once")
-    bare = _returns_one_tensor(model, ep)
-    graphs, names = cut(ep, boundary_names=order)
-    segments = _segments(model, ep, graphs, names, on=args[0].device, bare_output=bare)
-    chain = CapturedChain(model, segments)
+    name = type(model).__name__
+    chosen = chosen_output(ep.call_spec.out_spec, name, output)
+    graphs, names = cut(ep, boundary_names=order, outputs=chosen.indices)
+    segments = _segments(model, ep, graphs, names, on=inputs.tensors[0].device, bare_output=chosen.bare)
+    note = f"its config's max_position_embeddings ({limit})" if free and limit is not None else ""
+    call = call_spec(ep, name, keywords=inputs.keywords, names=inputs.names, length_note=note)
+    chain = CapturedChain(model, segments, call)
     chain.train(model.training)  # in the mode it was captured in, as the model was
     _report(model, chain)
     return chain
@@ -215,16 +317,6 @@ def _blocks_to_cut(model: nn.Module, blocks: Sequence[str] | None) -> list[str]:
             "modules of one class) to cut before; name the modules to cut before with blocks=[...]"
         )
     return names
-
-
-def _returns_one_tensor(model: nn.Module, ep: ExportedProgram) -> bool:
-    """Whether the model returns a lone tensor (rather than a tuple or list of tensors, the only other output
-    it may have)."""
-    spec = ep.call_spec.out_spec
-    bare = spec is None or spec.is_leaf()
-    if not bare and not (spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children_specs)):
-        raise CaptureError(f"{type(model).__name__} must return a tensor or a tuple of tensors, its output is {spec}")
-    return bare
 
 
 def _segments(

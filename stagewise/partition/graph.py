@@ -178,14 +178,16 @@ class _Program:
     """Buffer-mutation output node -> the buffer's FQN."""
 
 
-def _read(ep: ExportedProgram) -> _Program:
-    """``ep``'s graph, its state and inputs, its outputs and buffer updates; refused where cutting cannot
-    handle them."""
+def _read(ep: ExportedProgram, outputs: Sequence[int] | None) -> _Program:
+    """``ep``'s graph, its state and inputs, its outputs (those at ``outputs``, or all) and buffer updates;
+    refused where cutting cannot handle them."""
     graph = ep.graph_module.graph
     state_of, user_inputs = _kind_of_inputs(ep)
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
     (output,) = [n for n in graph.nodes if n.op == "output"]
     user_outputs, mutations = _kind_of_outputs(ep, output)
+    if outputs is not None:
+        user_outputs = [user_outputs[i] for i in outputs]
     inputs = [placeholders[n] for n in user_inputs]
     return _Program(ep.graph_module, state_of, placeholders, inputs, user_outputs, mutations)
 
@@ -235,7 +237,9 @@ def _lifetimes(program: _Program, segment: dict[fx.Node, int], n_segments: int) 
     return _Lifetimes(program.user_inputs, defined, last_use)
 
 
-def cut(ep: ExportedProgram, *, boundary_names: Sequence[str]) -> tuple[list[SegmentGraph], list[str]]:
+def cut(
+    ep: ExportedProgram, *, boundary_names: Sequence[str], outputs: Sequence[int] | None = None
+) -> tuple[list[SegmentGraph], list[str]]:
     """Cut ``ep``'s graph at its marker ops into segments that form a chain.
 
     Segment ``k`` receives every value that an earlier segment (or the model's
@@ -246,9 +250,11 @@ def cut(ep: ExportedProgram, *, boundary_names: Sequence[str]) -> tuple[list[Seg
 
     Returns the segments and their names: the name of the block whose marker
     starts each (``boundary_names[i]`` for marker ``i``); a first segment that
-    starts before any marker is named ``"<input>"``.
+    starts before any marker is named ``"<input>"``. The last segment returns
+    the model's outputs at positions ``outputs`` of its flat outputs (all of
+    them by default); what computes only the others is dropped.
     """
-    program = _read(ep)
+    program = _read(ep, outputs)
     graph = program.gm.graph
     boundary = marker()
     segment, names = _assign(graph, boundary_names)
@@ -368,6 +374,8 @@ def variant(
         device = copy.kwargs.get("device")
         if isinstance(device, (torch.device, str)) and torch.device(device) == old:
             copy.kwargs = {**copy.kwargs, "device": new}
+        if any(isinstance(a, torch.device) and a == old for a in copy.args):  # aten.to.device takes it by position
+            copy.args = tuple(new if isinstance(a, torch.device) and a == old else a for a in copy.args)
         env[node] = copy
         by_name[node.name] = copy
     return fx.GraphModule(module, g, class_name=type(module).__name__)

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from stagewise.partition.attention import FLOP_FORMULAS, FusedAttentionOnMeta
+from stagewise.partition.call_spec import Inputs, positional_inputs
 from stagewise.partition.layers import Layer, Payload, layers_of
 from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
 from stagewise.partition.live_bytes import LiveBytes
@@ -256,7 +257,7 @@ def _choose_device(layers: Sequence[Layer], time: bool, device: torch.device | s
 
 def profile(
     model: nn.Module | Sequence[Layer],
-    sample: Payload,
+    sample: Inputs,
     *,
     time: bool = False,
     device: torch.device | str | None = None,
@@ -280,8 +281,9 @@ def profile(
 
     Args:
         model: a chain (see :func:`layers_of`) or its layers.
-        sample: one micro-batch of the first layer's input; on the meta device it stands for zeros of its
-            shape where the layers run on a real one. It counts no gradient of its own unless it requires one.
+        sample: one micro-batch of the model's input (by keyword for a model captured so); on the meta device
+            it stands for zeros of its shape where the layers run on a real one. It counts no gradient of its
+            own unless it requires one.
         time: measure forward plus backward time.
         device: where to run; by default where the model is (meta without
             ``time``; for ``time``, the model's real device or the CPU).
@@ -293,6 +295,7 @@ def profile(
     layers = layers_of(model) if isinstance(model, nn.Module) else list(model)
     if not layers:
         raise ValueError("there are no layers to profile")
+    sample = positional_inputs(model, sample)
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
     settings = _Settings(_choose_device(layers, time, device), time, warmup, repeats, pooled_min_elements)

@@ -59,6 +59,8 @@ class Segment(nn.Module):
         for path in _wholly_read(model, set(tensors)):
             self._attach(path, model.get_submodule(path))
         holders: list[tuple[nn.Module | None, str]] = []
+        self._owners: dict[int, nn.Module] = {}
+        """id of a module that holds some of a model's module's tensors -> that module of the model."""
         for fqn in graph.state:
             if fqn in constants:
                 holders.append((None, fqn))
@@ -68,6 +70,8 @@ class Segment(nn.Module):
             if here is None or not hasattr(here, leaf):  # read outside any wholly read module
                 owner = model.get_submodule(parent) if parent else model
                 here = self._container(parent)
+                if here is not self:
+                    self._owners[id(here)] = owner
                 value = getattr(owner, leaf)
                 if isinstance(value, nn.Parameter):
                     here.register_parameter(leaf, value)
@@ -76,6 +80,11 @@ class Segment(nn.Module):
             holders.append((here, leaf))
         self._refs = _Refs(holders, {fqn: constants[fqn] for fqn in graph.state if fqn in constants})
         self._mutated = [self._holder_of(fqn) for fqn in graph.mutated]
+
+    def owner_of(self, holder: nn.Module) -> nn.Module | None:
+        """The model's module whose tensors ``holder`` (one of this segment's modules) holds some of, when
+        ``holder`` stands in for it (the segment reads only part of it); None for a module of the model itself."""
+        return self._owners.get(id(holder))
 
     def _find(self, path: str) -> nn.Module | None:
         try:
@@ -155,9 +164,11 @@ class Segment(nn.Module):
 def _wholly_read(model: nn.Module, read: set[str]) -> list[str]:
     """The outermost modules (not the model itself) all of whose parameters and buffers are in ``read``."""
     aliases: dict[int, set[str]] = {}
+    identity: dict[str, int] = {}
     for name, tensor in _named_tensors(model, remove_duplicate=False):
         aliases.setdefault(id(tensor), set()).add(name)
-    read = {alias for name, tensor in _named_tensors(model) if name in read for alias in aliases[id(tensor)]}
+        identity[name] = id(tensor)
+    read = {alias for name in read if name in identity for alias in aliases[identity[name]]}  # a tie by any name
     chosen: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:

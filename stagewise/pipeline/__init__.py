@@ -5,10 +5,11 @@ from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, Pipeli
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
+from stagewise.pipeline.materialise import materialise_model
 from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
-from stagewise.pipeline.stage import StageError, materialise_model
+from stagewise.pipeline.stage import StageError
 
 __all__ = [
     "Batch",

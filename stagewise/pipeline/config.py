@@ -11,6 +11,7 @@ import torch
 
 from stagewise.partition import Layer, Partition
 from stagewise.pipeline.fusion import WeightGradientFusion
+from stagewise.pipeline.materialise import Initialiser
 from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite
 from stagewise.schedule.actions import Schedule
@@ -103,6 +104,10 @@ class PipelineOptions:
     """Where this rank computes; None: the mesh's device."""
     seed: int = 0
     """The seed of layer initialisation for layers on the meta device (layer i from ``(seed, i)``)."""
+    init: Initialiser | None = None
+    """How layers on the meta device are initialised: a callable that gives one module's own tensors their values
+    (see :data:`stagewise.pipeline.materialise.Initialiser`); None: the model's own initialiser where it has one
+    (a Hugging Face model's ``_init_weights``), else each module's ``reset_parameters``."""
     loss_reduction: LossReduction = "mean"
     """How ``loss_fn`` reduces over a batch: "mean" (torch's losses' default) weights each micro-batch's loss by
     its share of the batch; "sum" adds them."""

@@ -13,13 +13,15 @@ from torch import nn
 
 from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_mesh
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
-from stagewise.partition import Layer, Partition, layers_of, shared_parameters
+from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shared_parameters
+from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
 from stagewise.pipeline.data_parallel import Replicas
 from stagewise.pipeline.executor import Executor, StepResult
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.loss_sharing import Sharing, share_count, share_loss
+from stagewise.pipeline.materialise import Materialising, initialiser_of
 from stagewise.pipeline.microbatch import LossFn, LossReduction, Microbatches, batch_size, concat, split
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_finite, skipped_step
 from stagewise.pipeline.parameters import HeldStages
@@ -111,6 +113,9 @@ class Pipeline(HeldStages):
     ) -> None:
         options = options if options is not None else PipelineOptions()
         layers = layers_of(model)
+        self._call: CallSpec | str = model.call if isinstance(model, CapturedChain) else type(model).__name__
+        """How stage 0 takes a batch: a captured model's call spec, or a chain's name (see :func:`as_positional`);
+        never the model, whose layers on other ranks this rank must not keep alive."""
         plan = checked_schedule(layers, partition, schedule, n_microbatches, loss_fn=loss_fn, options=options)
         seconds = None if timeout is None else checked_timeout(timeout)
         if mesh is not None and seconds is not None and seconds != mesh.timeout:
@@ -145,7 +150,7 @@ class Pipeline(HeldStages):
         with ExitStack() as undo:  # a failure below closes the groups made so far; then close() owns them
             if self._own_mesh:
                 undo.callback(_quietly, self.mesh.close)
-            self._place(layers, options)
+            self._place(model, layers, options)
             self._connect(layers, undo)
             undo.pop_all()
         log.info(
@@ -157,7 +162,7 @@ class Pipeline(HeldStages):
             self.timeout,
         )
 
-    def _place(self, layers: list[Layer], options: PipelineOptions) -> None:
+    def _place(self, model: nn.Module, layers: list[Layer], options: PipelineOptions) -> None:
         """Materialise this rank's stages on its device, after checking the mesh runs the schedule."""
         plan = self.schedule
         if self.mesh.layout.pp != plan.n_ranks:
@@ -173,8 +178,9 @@ class Pipeline(HeldStages):
         self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
         """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
         self.stages = own_stages(
-            layers, self.partition.bounds, plan.stages_of(self.position), self._shared, device=self.device,
-            seed=options.seed, compute=options.compute, fusion=self.fusion,
+            layers, self.partition.bounds, plan.stages_of(self.position), self._shared,
+            making=Materialising(self.device, options.seed, initialiser_of(model, options.init)),
+            compute=options.compute, fusion=self.fusion,
         )  # fmt: skip
 
     def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
@@ -256,23 +262,23 @@ class Pipeline(HeldStages):
         moved = tuple(t.to(self.device) for t in tensors)
         return moved if is_tuple else moved[0]
 
-    def _split_inputs(self, inputs: Payload | None) -> Microbatches | None:
+    def _split_inputs(self, inputs: Inputs | None) -> Microbatches | None:
         """The micro-batches of ``inputs`` on the rank of stage 0; None elsewhere."""
         self._check_open()
         if not self.is_first:
             return None
         return split(self._first_inputs(inputs), self.n_microbatches, what="inputs")
 
-    def _first_inputs(self, inputs: Payload | None) -> Payload:
+    def _first_inputs(self, inputs: Inputs | None) -> Payload:
         if inputs is None:
             raise ValueError(f"rank {self.mesh.rank} holds stage 0 and needs the inputs; got None")
-        return self._to_device(inputs)
+        return self._to_device(as_positional(self._call, inputs))
 
     def _check_open(self) -> None:
         if self.closed:
             raise RuntimeError("this Pipeline is closed (by close() or at the end of its with block); build a new one")
 
-    def step(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
+    def step(self, inputs: Inputs | None, targets: Payload | None = None) -> torch.Tensor:
         """One training step's forward and backward over the global batch; returns the loss on every rank.
 
         ``inputs`` are needed on the rank of stage 0 and ``targets`` on the
@@ -309,7 +315,7 @@ class Pipeline(HeldStages):
         )  # fmt: skip
         return loss
 
-    def evaluate(self, inputs: Payload | None, targets: Payload | None = None) -> torch.Tensor:
+    def evaluate(self, inputs: Inputs | None, targets: Payload | None = None) -> torch.Tensor:
         """The loss on a batch, forward only and without gradients; returned on every rank, as by :meth:`step`.
 
         Replicas' batches may differ in size, and a batch smaller than ``n_microbatches`` (a last, partial
@@ -359,7 +365,7 @@ class Pipeline(HeldStages):
             error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.timeout,
         )  # fmt: skip
 
-    def predict(self, inputs: Payload | None) -> Payload | None:
+    def predict(self, inputs: Inputs | None) -> Payload | None:
         """Forward only, without gradients; the model's output on the last stage's rank, None elsewhere.
 
         The micro-batches' outputs are joined along dim 0; an output with no batch dimension (a 0-dim
@@ -368,7 +374,7 @@ class Pipeline(HeldStages):
         result = self._forward(*self._forward_inputs(inputs))
         return concat(result.outputs) if self.is_last else None
 
-    def _forward_inputs(self, inputs: Payload | None) -> tuple[Microbatches | None, int]:
+    def _forward_inputs(self, inputs: Inputs | None) -> tuple[Microbatches | None, int]:
         """A forward-only pass's micro-batches (on stage 0's rank) and their count: ``n_microbatches``, or the
         batch's size when smaller, as stage 0's rank tells the others."""
         self._check_open()

@@ -1,4 +1,4 @@
-"""A stage: the contiguous layers one rank owns, materialised on its device and initialised from (seed, layer)."""
+"""A stage: the contiguous layers one rank owns, materialised on its device (see :mod:`.materialise`), and its run."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
-from stagewise.partition import Layer, Segment, SharedParameter, layers_of, shared_parameters
+from stagewise.partition import Layer, Segment, SharedParameter
 from stagewise.pipeline.config import Compute
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
+from stagewise.pipeline.materialise import Materialising, materialise
 from stagewise.pipeline.split_backward import ParameterUses, WeightUse, unseen_reads
 from stagewise.pipeline.tied_weights import retie
 
@@ -24,76 +25,6 @@ log = logging.getLogger(__name__)
 
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 """Autograd's error for an in-place change of a tensor whose gradient is wanted (or of a view of it)."""
-_SEED_STRIDE = 1_000_003  # a prime: seeds (seed, layer) apart for any realistic layer count
-
-
-def layer_seed(seed: int, index: int) -> int:
-    """The random seed that initialises layer ``index``: it depends on nothing else."""
-    return seed * _SEED_STRIDE + index
-
-
-def _is_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
-def initialise(module: nn.Module, seed: int, *, only: set[int] | None = None) -> None:
-    """Give a freshly materialised module its initial values, drawn from ``seed`` alone.
-
-    Every submodule that defines ``reset_parameters`` runs it, in module order,
-    under a generator seeded with ``seed``; with ``only``, just the submodules
-    whose ``id`` is in it (and the tensors they hold count as the ones to
-    cover). A tensor to cover that no ``reset_parameters`` covers would keep
-    garbage, so it is refused by name.
-    """
-    covered: set[int] = set()
-    chosen = [sub for sub in module.modules() if only is None or id(sub) in only]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for sub in chosen:
-            reset = getattr(sub, "reset_parameters", None)
-            if callable(reset):
-                reset()
-                covered.update(id(t) for t in (*sub.parameters(), *sub.buffers()))
-    expected = {id(t) for sub in chosen for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))}
-    missed = [
-        n
-        for n, t in (*module.named_parameters(), *module.named_buffers())
-        if id(t) in expected and id(t) not in covered
-    ]
-    if missed:
-        raise TypeError(
-            f"{type(module).__name__} was built on the meta device, but {missed[:5]} "
-            "belong to no submodule with a reset_parameters() method, so they cannot be initialised; "
-            "add reset_parameters() to the module that owns them, or build the model with real weights"
-        )
-
-
-def materialise(layer: nn.Module, index: int, device: torch.device, seed: int) -> nn.Module:
-    """``layer`` on ``device``: its meta parts are allocated there and initialised from ``(seed, index)``.
-
-    Only the submodules that hold meta tensors are allocated and reset: a
-    module that an earlier layer shares with this one (a segment of a captured
-    model reading a tied embedding) keeps the values it already has.
-    """
-    if _is_meta(layer):
-        meta = [sub for sub in layer.modules() if _is_meta_here(sub)]
-        for sub in meta:
-            sub.to_empty(device=device, recurse=False)
-        layer.to(device)
-        initialise(layer, layer_seed(seed, index), only={id(sub) for sub in _with_ancestors(layer, meta)})
-    else:
-        layer.to(device)
-    return layer
-
-
-def _is_meta_here(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
-
-
-def _with_ancestors(root: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
-    """``modules`` and every submodule of ``root`` that contains one of them, in ``root.modules()`` order."""
-    wanted = {id(m) for m in modules}
-    return [sub for sub in root.modules() if any(id(m) in wanted for m in sub.modules())]
 
 
 class StageError(RuntimeError):
@@ -349,38 +280,22 @@ def own_stages(
     stages: Iterable[int],
     shared: Sequence[SharedParameter],
     *,
-    device: torch.device,
-    seed: int,
+    making: Materialising,
     compute: Compute,
     fusion: WeightGradientFusion | None,
 ) -> dict[int, StageModule]:
-    """This rank's ``stages`` of ``layers`` split at ``bounds``, materialised on ``device`` (see
+    """This rank's ``stages`` of ``layers`` split at ``bounds``, materialised as ``making`` says (see
     :func:`materialise`), run as ``compute`` says, and tied again where they share parameters (``shared``, found
     before materialising)."""
     out: dict[int, StageModule] = {}
     for s in stages:
         mine = layers[bounds[s] : bounds[s + 1]]
         for offset, layer in enumerate(mine):
-            materialise(layer.module, bounds[s] + offset, device, seed)
+            index = bounds[s] + offset
+            materialise(layer.module, index, making.device, making.seed, init=making.init, shared=shared)
         out[s] = StageModule(
             s, bounds[s], mine, checkpointing=compute.activation_checkpointing, autocast=compute.autocast,
-            device_type=device.type, fusion=fusion,
+            device_type=making.device.type, fusion=fusion,
         )  # fmt: skip
     retie(layers, shared, {i for s in out for i in range(bounds[s], bounds[s + 1])})
     return out
-
-
-def materialise_model(model: nn.Module, *, device: torch.device | str = "cpu", seed: int = 0) -> nn.Module:
-    """Materialise every layer of an unsplit chain as :class:`Pipeline` does for its own stages.
-
-    A model built on the meta device gets, layer by layer, the same initial
-    values that the stages of a pipeline with the same ``seed`` get, whatever
-    the split: the single-process reference of the same training. Tied
-    parameters are tied again, with the value of the first layer that uses them.
-    """
-    layers = layers_of(model)
-    shared = shared_parameters(layers)  # before materialising, which unties them
-    for index, layer in enumerate(layers):
-        materialise(layer.module, index, torch.device(device), seed)
-    retie(layers, shared, set(range(len(layers))))
-    return model

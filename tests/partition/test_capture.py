@@ -10,7 +10,7 @@ from torch import nn
 from stagewise.models.nonchain import MaskedTransformer, UNetMLP
 from stagewise.partition import CaptureError, auto, capture, layers_of, profile, repeated_blocks, shared_parameters
 from stagewise.pipeline import materialise_model, torch_pipe
-from stagewise.pipeline.stage import materialise
+from stagewise.pipeline.materialise import materialise
 
 
 def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +252,7 @@ def test_what_cannot_be_captured_or_cut_is_refused_with_the_reason() -> None:
         capture(nn.Linear(4, 4), torch.randn(2, 4))
     with pytest.raises(ValueError, match=r"blocks names 'nope', which is not a submodule"):
         capture(UNetMLP(), torch.randn(2, 16), blocks=["nope"])
-    with pytest.raises(TypeError, match=r"a tensor or a tuple of tensors .* got list"):
+    with pytest.raises(TypeError, match=r"a tensor, a tuple of tensors .* got list"):
         capture(UNetMLP(), [torch.randn(2, 16)])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"share their first \(batch\) dimension, got shapes \[\(2, 8\), \(3, 8\)\]"):
         capture(MaskedTransformer(), (torch.zeros(2, 8, dtype=torch.long), torch.ones(3, 8, dtype=torch.long)))
