@@ -59,8 +59,8 @@ class Segment(nn.Module):
         for path in _wholly_read(model, set(tensors)):
             self._attach(path, model.get_submodule(path))
         holders: list[tuple[nn.Module | None, str]] = []
-        self._owners: dict[int, nn.Module] = {}
-        """id of a module that holds some of a model's module's tensors -> that module of the model."""
+        self._owners: dict[str, nn.Module] = {}
+        """Path of a module here that holds some of the model's module at that path's tensors -> that module."""
         for fqn in graph.state:
             if fqn in constants:
                 holders.append((None, fqn))
@@ -71,7 +71,7 @@ class Segment(nn.Module):
                 owner = model.get_submodule(parent) if parent else model
                 here = self._container(parent)
                 if here is not self:
-                    self._owners[id(here)] = owner
+                    self._owners[parent] = owner
                 value = getattr(owner, leaf)
                 if isinstance(value, nn.Parameter):
                     here.register_parameter(leaf, value)
@@ -84,7 +84,8 @@ class Segment(nn.Module):
     def owner_of(self, holder: nn.Module) -> nn.Module | None:
         """The model's module whose tensors ``holder`` (one of this segment's modules) holds some of, when
         ``holder`` stands in for it (the segment reads only part of it); None for a module of the model itself."""
-        return self._owners.get(id(holder))
+        path = next((name for name, sub in self.named_modules() if sub is holder), None)
+        return self._owners.get(path) if path is not None else None
 
     def _find(self, path: str) -> nn.Module | None:
         try:

@@ -72,39 +72,51 @@ def initialise(
     only: set[int] | None = None,
     init: Initialiser | None = None,
     given: Collection[str] = (),
+    fresh: Collection[int] | None = None,
 ) -> None:
     """Give a freshly materialised module its initial values, drawn from ``seed`` alone.
 
     With ``init`` (see :data:`Initialiser`), it is called for every submodule,
     children before their parents (as ``nn.Module.apply`` does, so a parent
-    may override what its children set); without, every submodule that defines
+    may override what its children set), and each module's tensors are then
+    marked ``_is_hf_initialized`` as Hugging Face's initialiser marks them (a
+    tied tensor keeps its first value); without, every submodule that defines
     ``reset_parameters`` runs it, in module order. Both run under a generator
     seeded with ``seed``; with ``only``, just for the submodules whose ``id``
     is in it. A tensor of those submodules that no initialiser wrote (it still
     holds the NaN it was filled with) is refused by name, never left holding
     garbage; the names in ``given`` are exempt (tied parameters, which take
-    the value of their first use).
+    the value of their first use), and ``init`` draws no random numbers for
+    them, so a rank that holds only a later use draws what the others do. With ``fresh`` (ids of tensors), only those
+    were just allocated: the others already hold their values.
     """
     chosen = [sub for sub in module.modules() if only is None or id(sub) in only]
+    exempt = {id(t) for name, t in module.named_parameters(remove_duplicate=False) if name in given}
     mine = [
         (name, t)
         for name, t in (*module.named_parameters(), *module.named_buffers())
         if any(t is own for sub in chosen for own in (*sub.parameters(False), *sub.buffers(False)))
+        and (fresh is None or id(t) in fresh)
     ]
     with torch.no_grad():
         for _, tensor in mine:
             _unset(tensor)
+            if init is not None and id(tensor) in exempt:  # it takes its first use's value: draw nothing for it
+                tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
         if init is not None:
-            for sub in reversed(chosen):  # children first
-                init(sub)
+            wanted = {id(sub) for sub in chosen}
+            for sub in _children_first(module):
+                if id(sub) in wanted:
+                    init(sub)
+                    _mark_initialised(sub)
         else:
             for sub in chosen:
                 reset = getattr(sub, "reset_parameters", None)
                 if callable(reset):
                     reset()
-    missed = [name for name, tensor in mine if name not in given and _still_unset(tensor)]
+    missed = [name for name, tensor in mine if id(tensor) not in exempt and _still_unset(tensor)]
     if missed:
         how = "the model's initialiser (init)" if init is not None else "a reset_parameters() method"
         raise TypeError(
@@ -112,6 +124,28 @@ def initialise(
             "reset_parameters() to the modules that own them, pass init= (a callable that initialises one module's "
             "own tensors), or build the model with real weights"
         )
+
+
+def _children_first(module: nn.Module) -> Iterator[nn.Module]:
+    """``module``'s submodules, each after its children, siblings in order (as ``nn.Module.apply`` visits them);
+    a module held twice comes once."""
+    seen: set[int] = set()
+
+    def visit(here: nn.Module) -> Iterator[nn.Module]:
+        for child in here.children():
+            yield from visit(child)
+        if id(here) not in seen:
+            seen.add(id(here))
+            yield here
+
+    return visit(module)
+
+
+def _mark_initialised(module: nn.Module) -> None:
+    """Mark ``module``'s own tensors as initialised, as a Hugging Face model's initialiser does, so that a
+    module sharing one (a head tied to an embedding) leaves the value of the first to set it."""
+    for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+        tensor._is_hf_initialized = True  # type: ignore[attr-defined]
 
 
 def _is_meta_here(module: nn.Module) -> bool:
@@ -126,6 +160,21 @@ def _with_ancestors(root: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Mo
 
 def _meta_parts(layer: nn.Module) -> Iterator[nn.Module]:
     return (sub for sub in layer.modules() if _is_meta_here(sub))
+
+
+def _allocate(module: nn.Module, device: torch.device) -> list[torch.Tensor]:
+    """Give ``module``'s own meta tensors uninitialised memory on ``device``, and return them; its real ones (a
+    tied weight an earlier layer made real) stay as they are."""
+    made: list[torch.Tensor] = []
+    for name, param in list(module.named_parameters(recurse=False)):
+        if param.is_meta:
+            made.append(nn.Parameter(torch.empty_like(param, device=device), param.requires_grad))
+            setattr(module, name, made[-1])
+    for name, buffer in list(module.named_buffers(recurse=False)):
+        if buffer.is_meta:
+            made.append(torch.empty_like(buffer, device=device))
+            setattr(module, name, made[-1])
+    return made
 
 
 def _aliases(layer: nn.Module) -> list[list[str]]:
@@ -192,14 +241,13 @@ def materialise(
     meta = list(_meta_parts(layer))
     if meta:
         aliases = _aliases(layer)
-        for sub in meta:
-            sub.to_empty(device=device, recurse=False)
+        fresh = {id(t) for sub in meta for t in _allocate(sub, device)}
         _tie_again(layer, aliases)
         layer.to(device)
         owners = _hand_back(layer, meta) if init is not None else {}
         only = {id(sub) for sub in _with_ancestors(layer, meta)}
         given = {tie.attributes[k] for tie in shared for k, i in enumerate(tie.indices) if i == index and k > 0}
-        initialise(layer, layer_seed(seed, index), only=only, init=_through(init, owners), given=given)
+        initialise(layer, layer_seed(seed, index), only=only, init=_through(init, owners), given=given, fresh=fresh)
     else:
         layer.to(device)
     return layer

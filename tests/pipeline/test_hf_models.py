@@ -1,0 +1,98 @@
+"""Hugging Face models, unwrapped and built on the meta device, train on 2 gloo processes as the unsplit model."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from support.hf import KINDS, Kind, batch, build
+from support.multiproc import run_ranks
+
+from stagewise.comm import init_mesh
+from stagewise.partition import Partition, capture
+from stagewise.pipeline import Pipeline, PipelineOptions, materialise_model
+
+STEPS = 3
+BATCH = 7  # 3 micro-batches of 3, 2 and 2 samples (interleaved: 4 of 2, 2, 2 and 1)
+MICRO = 3
+LENGTHS = (16, 12, 20)
+"""Captured at the first length; the steps run at each."""
+SEED = 5
+SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def steps() -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    out = []
+    for k, length in enumerate(LENGTHS):
+        inputs = batch(BATCH, length, seed=k)
+        out.append((inputs, torch.roll(inputs["input_ids"], -1, dims=1)))  # the next token, every one a target
+    return out
+
+
+def unsplit(kind: Kind) -> dict[str, Any]:
+    """The model itself (not its capture), initialised as the pipeline's layers are, trained on whole batches."""
+    model = build(kind, meta=True)
+    materialise_model(capture(model, batch(MICRO, LENGTHS[0], seed=0)), seed=SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for inputs, targets in steps():
+        opt.zero_grad()
+        loss = lm_loss(model(**inputs).logits, targets)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return {"losses": losses, "params": {k: v for k, v in model.state_dict().items()}}
+
+
+def train_every_schedule() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=60)
+    results: dict[str, Any] = {}
+    for kind in KINDS:
+        captured = capture(build(kind, meta=True), batch(MICRO, LENGTHS[0], seed=0))
+        for schedule in SCHEDULES:
+            chain = copy.deepcopy(captured)
+            n_stages = 4 if schedule == "interleaved-1f1b" else 2
+            part = Partition.from_bounds((0, 1, 2, 3, 4) if n_stages == 4 else (0, 2, 4))
+            pipe = Pipeline(
+                chain, part, schedule=schedule, n_microbatches=MICRO if n_stages == 2 else 4,
+                loss_fn=lm_loss, mesh=mesh,
+                options=PipelineOptions(seed=SEED, n_virtual=n_stages // 2),
+            )  # fmt: skip
+            allocated = sum(p.numel() for p in chain.parameters() if not p.is_meta)
+            own = sum(p.numel() for p in pipe.parameters())
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+            losses = []
+            for inputs, targets in steps():
+                opt.zero_grad()
+                losses.append(pipe.step(inputs, targets).item())
+                opt.step()
+            results[f"{kind} {schedule}"] = {
+                "losses": losses, "params": pipe.state_dict(), "allocated": allocated, "own": own,
+            }  # fmt: skip
+            pipe.close()
+    dist.destroy_process_group()
+    return results
+
+
+def test_gpt2_llama_and_bert_built_on_meta_train_as_the_unsplit_model_under_every_schedule_at_any_length() -> None:
+    results = run_ranks(train_every_schedule, 2, timeout=240)
+    for kind in KINDS:
+        want = unsplit(kind)
+        for schedule in SCHEDULES:
+            case = f"{kind} {schedule}"
+            merged: dict[str, torch.Tensor] = {}
+            for rank, got in results.items():
+                torch.testing.assert_close(got[case]["losses"], want["losses"], atol=1e-5, rtol=1e-5, msg=case)
+                assert got[case]["allocated"] == got[case]["own"], (case, rank)  # only its own stages are real
+                merged.update(got[case]["params"])
+            assert sorted(merged) == sorted(want["params"]), case
+            for name, value in want["params"].items():
+                torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-5, msg=f"{case}: {name}")
