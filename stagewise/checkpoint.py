@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stagewise.comm import everyone_agrees
 from stagewise.pipeline import Pipeline
+from stagewise.pipeline.pretrained import SINGLE
 
 log = logging.getLogger(__name__)
 
@@ -402,11 +403,33 @@ def progress_of(path: str | Path) -> Progress:
     return _progress(state[PROGRESS])
 
 
-def export(path: str | Path, out: str | Path) -> Path:
-    """Write a checkpoint's model as one plain ``state_dict`` file for the unsplit model (no process group needed).
+ExportFormat = Literal["torch", "safetensors", "hf"]
+"""What :func:`export` writes: a ``torch.save`` file, a ``.safetensors`` file, or a Hugging Face folder."""
 
-    Load it with ``model.load_state_dict(torch.load(out, weights_only=True))``.
+
+class SavesPretrained(Protocol):
+    """A Hugging Face config (``model.config``): it writes ``config.json`` into a folder."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
+
+
+def export(
+    path: str | Path, out: str | Path, *, format: ExportFormat = "torch", config: SavesPretrained | None = None
+) -> Path:
+    """Write a checkpoint's model for the unsplit model, under its own names (no process group needed).
+
+    - ``"torch"``: one ``state_dict`` file; load it with
+      ``model.load_state_dict(torch.load(out, weights_only=True))``.
+    - ``"safetensors"``: one ``.safetensors`` file with the same tensors.
+    - ``"hf"``: a folder that ``from_pretrained`` loads: ``model.safetensors``
+      and the ``config.json`` that ``config`` (the model's ``config``) writes.
+
+    Every name of the model is written, both names of a tied weight too.
     """
+    if format not in get_args(ExportFormat):
+        raise ValueError(f"format must be one of {list(get_args(ExportFormat))}, got {format!r}")
+    if format == "hf" and config is None:
+        raise TypeError("format='hf' writes the model's config.json too: pass config=model.config")
     reader = SafeReader(Path(path))
     stored = reader.read_metadata().state_dict_metadata
     state = {k: _empty_like_stored(v, k, torch.device("cpu")) for k, v in stored.items() if k.startswith(MODEL)}
@@ -414,5 +437,16 @@ def export(path: str | Path, out: str | Path) -> Path:
         raise CheckpointError(f"the checkpoint {path} holds no model entries")
     _load_alone(state, reader)
     plain = {k[len(MODEL) :]: v for k, v in state.items()}
-    torch.save(plain, out)
+    target = Path(out)
+    if format == "torch":
+        torch.save(plain, target)
+        return target
+    from safetensors.torch import save_file
+
+    if format == "hf":
+        assert config is not None
+        target.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(target)
+        target = target / SINGLE
+    save_file({k: v.contiguous() for k, v in plain.items()}, str(target), metadata={"format": "pt"})
     return Path(out)

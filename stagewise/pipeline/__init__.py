@@ -9,6 +9,7 @@ from stagewise.pipeline.materialise import materialise_model
 from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
+from stagewise.pipeline.pretrained import PretrainedError, PretrainedLoad, load_pretrained, weight_files
 from stagewise.pipeline.stage import StageError
 
 __all__ = [
@@ -24,11 +25,15 @@ __all__ = [
     "NonFiniteLossError",
     "Pipeline",
     "PipelineOptions",
+    "PretrainedError",
+    "PretrainedLoad",
     "StageError",
     "StageLoader",
     "WeightGradientFusion",
     "WeightGradientStore",
     "clip_grad_norm_",
+    "load_pretrained",
     "materialise_model",
     "torch_pipe",
+    "weight_files",
 ]
