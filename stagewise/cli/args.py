@@ -43,6 +43,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def model_name(text: str) -> str:
+    """A model a run can train (see :func:`stagewise.run.user_model.model_of`), refused here with the choices."""
+    from stagewise.run.user_model import model_of
+
+    try:
+        model_of(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix(f"--model {text}: ")) from err
+    return text
+
+
 def per_stage(values: list[float] | None, n_stages: int, what: str) -> list[float] | None:
     if values is None or len(values) == n_stages:
         return values

@@ -18,13 +18,14 @@ from stagewise.cli import args
 from stagewise.cli.args import JobFailedError
 from stagewise.cli.run_report import report
 from stagewise.comm import LaunchError, Layout, launch
-from stagewise.models import PRESETS, GPTConfig, preset
+from stagewise.models import PRESETS, GPTConfig
 from stagewise.pipeline import Pipeline
 from stagewise.plan import load_plan
 from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
 from stagewise.run.resume import check_resume, fresh_run_refused
 from stagewise.run.runs import LATEST, ROOT, latest_run, new_run
 from stagewise.run.stopping import StopSignals
+from stagewise.run.user_model import UserModel, model_of
 from stagewise.schedule import ScheduleName
 
 DEFAULTS = TrainConfig()
@@ -42,14 +43,18 @@ PLANNED = (
 def add(commands: Any) -> None:
     p = commands.add_parser(
         "train",
-        help="train a preset model with a pipeline (the main job)",
-        description="Train a preset model split into pipeline stages. Without torchrun it starts "
+        help="train a model with a pipeline (the main job)",
+        description="Train a model (a preset, or your own) split into pipeline stages. Without torchrun it starts "
         "stages x dp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
         "under torchrun each process is one rank, so several nodes are plain torchrun.",
     )
     d = DEFAULTS
     # The layout's flags default to None, so that a --plan can tell a flag given (even as the default) from none.
-    p.add_argument("--model", choices=sorted(PRESETS), help=f"model preset (default {d.model})")
+    p.add_argument(
+        "--model", type=args.model_name,
+        help=f"a preset ({', '.join(sorted(PRESETS))}), hf:DIR (a local Hugging Face folder: its config and weights) "
+        f"or MODULE:FACTORY (a function returning a language model); default {d.model}",
+    )  # fmt: skip
     p.add_argument("--stages", type=args.positive_int, help=f"pipeline ranks (default {d.stages})")
     p.add_argument("--virtual", type=args.positive_int, help=f"stages per rank, interleaved (default {d.virtual})")
     p.add_argument("--dp", type=args.positive_int, help=f"data-parallel replicas of the pipeline (default {d.dp})")
@@ -137,10 +142,10 @@ def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig
     given = [flag for flag, value in text if value is not None]
     if ns.data_limit is not None:
         values["data_limit"] = math.ceil(ns.data_limit)
-    if not isinstance(preset(model), GPTConfig) and given:
+    if not isinstance(model_of(model), (GPTConfig, UserModel)) and given:
         flag = given[0]
         raise ValueError(
-            f"{flag} applies to the GPT presets, which read text; {model} trains on data of its own: "
+            f"{flag} applies to language models, which read text; {model} trains on data of its own: "
             f"leave {flag} out, or choose a gpt-* model"
         )
     return TrainConfig(**values)

@@ -29,6 +29,11 @@ _DROPPED = (torch.ops.aten._assert_tensor_metadata.default,)
 """Ops left out of segments: metadata checks that pin the capturing device."""
 _BOOKKEEPING = (_SIZE, *_DROPPED)
 """Ops that do no work: a segment made only of these (and getitem) is merged into the next one."""
+DROPOUTS = frozenset(
+    {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default, torch.ops.aten.alpha_dropout.default}
+)
+"""Dropout ops whose third argument says whether they drop (``train``): a graph captured in training mode runs
+in evaluation mode with it False."""
 MODE_DEPENDENT = frozenset(
     {
         torch.ops.aten.dropout.default,
@@ -355,11 +360,22 @@ def _build(
     )
 
 
+def only_dropout_depends_on_the_mode(module: fx.GraphModule) -> bool:
+    """Whether every op of ``module`` that behaves differently in training is a dropout (see :data:`DROPOUTS`)."""
+    return all(node.target in DROPOUTS for node in module.graph.nodes if node.target in MODE_DEPENDENT)
+
+
 def variant(
-    module: fx.GraphModule, *, old: torch.device, new: torch.device, also_return: Sequence[str] = ()
+    module: fx.GraphModule,
+    *,
+    old: torch.device,
+    new: torch.device,
+    also_return: Sequence[str] = (),
+    dropout_off: bool = False,
 ) -> fx.GraphModule:
     """A copy of ``module`` whose ops that create tensors on ``old`` (burned in by the capture) create them on
-    ``new``, and that also returns the values of the nodes named ``also_return``, after its own outputs."""
+    ``new``, and that also returns the values of the nodes named ``also_return``, after its own outputs; with
+    ``dropout_off``, its dropouts pass their input through (evaluation mode)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     lookup: Callable[[fx.Node], fx.Node] = env.__getitem__
@@ -376,6 +392,8 @@ def variant(
             copy.kwargs = {**copy.kwargs, "device": new}
         if any(isinstance(a, torch.device) and a == old for a in copy.args):  # aten.to.device takes it by position
             copy.args = tuple(new if isinstance(a, torch.device) and a == old else a for a in copy.args)
+        if dropout_off and node.target in DROPOUTS:
+            copy.args = (*copy.args[:2], False)
         env[node] = copy
         by_name[node.name] = copy
     return fx.GraphModule(module, g, class_name=type(module).__name__)

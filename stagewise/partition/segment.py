@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stagewise.partition.graph import SegmentGraph, variant
+from stagewise.partition.graph import SegmentGraph, only_dropout_depends_on_the_mode, variant
 from stagewise.partition.layers import Payload
 
 
@@ -53,7 +53,9 @@ class Segment(nn.Module):
         """Return a lone emitted value as a tensor rather than a 1-tuple."""
         self.record: Callable[[tuple[torch.Tensor, ...], object], None] | None = None
         """While set (and gradients are on), called with each op's output that reads state, and that state."""
-        self._variants: dict[tuple[torch.device, bool], torch.fx.GraphModule] = {(captured_on, False): graph.module}
+        self._variants: dict[tuple[torch.device, bool, bool], torch.fx.GraphModule] = {
+            (captured_on, False, False): graph.module
+        }
         tensors = [fqn for fqn in graph.state if fqn not in constants]
         persistent = set(model.state_dict(keep_vars=True))
         for path in _wholly_read(model, set(tensors)):
@@ -113,12 +115,14 @@ class Segment(nn.Module):
         assert here is not None
         return here, leaf
 
-    def _graph_on(self, device: torch.device, recording: bool) -> torch.fx.GraphModule:
-        key = (device, recording)
+    def _graph_on(self, device: torch.device, recording: bool, dropout_off: bool = False) -> torch.fx.GraphModule:
+        key = (device, recording, dropout_off)
         module = self._variants.get(key)
         if module is None:
             extra = [use.node for use in self.graph.uses] if recording else []
-            module = variant(self.graph.module, old=self.captured_on, new=device, also_return=extra)
+            module = variant(
+                self.graph.module, old=self.captured_on, new=device, also_return=extra, dropout_off=dropout_off
+            )
             self._variants[key] = module
         return module
 
@@ -136,7 +140,9 @@ class Segment(nn.Module):
                 f"segment {self.segment_name!r} receives {self.graph.receives} tensors, got {len(received)}; "
                 "call the captured model with the inputs it was captured with"
             )
-        if self.graph.mode_dependent and self.training != self.captured_training:
+        switched = self.graph.mode_dependent and self.training != self.captured_training
+        dropout_off = switched and self.captured_training and only_dropout_depends_on_the_mode(self.graph.module)
+        if switched and not dropout_off:
             mode = "training" if self.captured_training else "eval"
             raise RuntimeError(
                 f"segment {self.segment_name!r} was captured in {mode} mode and contains dropout or batch norm, "
@@ -148,7 +154,7 @@ class Segment(nn.Module):
             for module, leaf in self._refs.holders
         ]
         recording = self.record is not None and torch.is_grad_enabled()
-        out = self._graph_on(device, recording)(*state, *received)
+        out = self._graph_on(device, recording, dropout_off)(*state, *received)
         own = self.graph.emits + len(self._mutated)
         if self._mutated:
             with torch.no_grad():

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
-from stagewise.models import GPTConfig, preset
+from stagewise.models import GPTConfig
 from stagewise.pipeline import NonFinite, WeightGradientFusion
+from stagewise.run.user_model import UserModel, model_of
 from stagewise.schedule import ScheduleName
 
 Optimizer = Literal["adamw", "sgd"]
@@ -20,7 +21,9 @@ class TrainConfig:
     """Everything one training run needs; the defaults are the embedded job that runs on a 2-core laptop."""
 
     model: str = "gpt-tiny"
-    """Model preset (see ``stagewise.models.PRESETS``)."""
+    """Model preset (see ``stagewise.models.PRESETS``), ``hf:DIR`` (a local Hugging Face folder: its config, and
+    its weights when it has them) or ``MODULE:FACTORY`` (a function returning a language model); the last two train
+    on the text data (see :class:`~stagewise.run.user_model.UserModel`)."""
     stages: int = 2
     """Pipeline ranks; with ``virtual`` stages each, the model is split into ``stages * virtual`` stages."""
     virtual: int = 1
@@ -91,7 +94,7 @@ class TrainConfig:
         self._check_numbers()
         self._check_weight_gradients()
         self._check_run_folder()
-        preset(self.model)  # an unknown preset fails here, with the choices
+        model_of(self.model)  # an unknown model fails here, with the choices
         if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
             raise ValueError(
                 f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "
@@ -145,5 +148,5 @@ class TrainConfig:
 
     @property
     def tokens_per_sample(self) -> int:
-        """Tokens in one sample: the sequence length for a GPT preset, else 1 (a sample counts as one)."""
-        return self.seq_len if isinstance(preset(self.model), GPTConfig) else 1
+        """Tokens in one sample: the sequence length for a language model, else 1 (a sample counts as one)."""
+        return self.seq_len if isinstance(model_of(self.model), (GPTConfig, UserModel)) else 1

@@ -1,4 +1,5 @@
-"""The training job run on every rank: a preset model, its data, the Pipeline, evaluation and checkpoints."""
+"""The training job run on every rank: the model (a preset or the user's), its data, the Pipeline, evaluation and
+checkpoints."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
 from stagewise import checkpoint
 from stagewise.comm import init_mesh
-from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, preset, teacher_regression
+from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, teacher_regression
 from stagewise.models.text import text_splits
 from stagewise.partition import Partition, auto, balance, layers_of
 from stagewise.pipeline import (
@@ -30,11 +32,13 @@ from stagewise.pipeline import (
     PipelineOptions,
     StageLoader,
     WeightGradientFusion,
+    load_pretrained,
 )
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
 from stagewise.run.resume import starting_point
 from stagewise.run.stopping import StopSignal, StopSignals
+from stagewise.run.user_model import UserModel, model_of
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +77,10 @@ StepCallback = Callable[[int, float, float], None]
 """``callback(step, loss, seconds)`` after each step, on every rank."""
 
 
-def _datasets(config: TrainConfig, model: ModelConfig) -> tuple[Dataset[Any], Dataset[Any]]:
+def _datasets(config: TrainConfig, model: ModelConfig | UserModel) -> tuple[Dataset[Any], Dataset[Any]]:
     """Training and validation data for the model."""
-    if isinstance(model, GPTConfig):
-        if config.seq_len > model.seq_len:
+    if isinstance(model, (GPTConfig, UserModel)):
+        if isinstance(model, GPTConfig) and config.seq_len > model.seq_len:
             raise ValueError(f"seq_len={config.seq_len} exceeds {config.model}'s longest sequence, {model.seq_len}")
         splits = text_splits(config.data, config.seq_len, limit=config.data_limit)
         return splits.train, splits.val
@@ -139,8 +143,8 @@ def preflight(config: TrainConfig) -> None:
     """What :func:`train` would refuse in ``config`` before its first step, checked in this process alone: the
     model's layers against the stages, the schedule, the data and the batches. A launcher calls it before it
     starts any process, so a bad value is one message rather than a traceback from every rank."""
-    model_config = preset(config.model)
-    layers = layers_of(model_config.build(device="meta"))
+    model_config = model_of(config.model)
+    layers = layers_of(_meta_model(config, model_config))
     n_stages = config.stages * config.virtual
     part = (
         Partition.from_bounds(config.partition)
@@ -160,20 +164,32 @@ def preflight(config: TrainConfig) -> None:
             )  # fmt: skip
 
 
+def _micro(config: TrainConfig) -> int:
+    """Samples in one micro-batch of one replica (at least 1)."""
+    return max(1, config.batch_size // config.dp // config.microbatches)
+
+
+def _meta_model(config: TrainConfig, model_config: ModelConfig | UserModel) -> nn.Module:
+    """``config``'s model on the meta device: a preset as it is, the user's model captured as a chain."""
+    if isinstance(model_config, UserModel):
+        return model_config.chain(_micro(config), config.seq_len)
+    return model_config.build(device="meta")
+
+
 def build_pipeline(config: TrainConfig) -> Pipeline:
-    """The Pipeline of ``config`` on this rank: the preset on the meta device, split exactly by FLOPs."""
+    """The Pipeline of ``config`` on this rank: the model on the meta device, split exactly by FLOPs; a Hugging
+    Face folder's weights are read per stage."""
     mesh = init_mesh(config.stages, config.dp, timeout=config.timeout)
-    model_config = preset(config.model)
-    model = model_config.build(device="meta")
+    model_config = model_of(config.model)
+    model = _meta_model(config, model_config)
     n_stages = config.stages * config.virtual
-    micro = max(1, config.batch_size // config.dp // config.microbatches)
-    sample = model_config.example(micro, config.seq_len if config.tokens_per_sample > 1 else None)
+    sample = model_config.example(_micro(config), config.seq_len if config.tokens_per_sample > 1 else None)
     part: Partition = (
         Partition.from_bounds(config.partition)
         if config.partition is not None
         else auto(model, n_stages, sample, by="flops")
     )
-    return Pipeline(
+    pipe = Pipeline(
         model,
         part,
         schedule=config.schedule,
@@ -182,6 +198,10 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
         mesh=mesh,
         options=pipeline_options(config),
     )
+    weights = model_config.weights if isinstance(model_config, UserModel) else None
+    if weights is not None:
+        load_pretrained(pipe, weights)
+    return pipe
 
 
 def pipeline_options(config: TrainConfig) -> PipelineOptions:
@@ -246,7 +266,7 @@ def train(
     pipe = build_pipeline(config)
     if on_start is not None:
         on_start(pipe)
-    model_config = preset(config.model)
+    model_config = model_of(config.model)
     train_data, val_data = _datasets(config, model_config)
     with _named(TRAINING):
         loader = StageLoader.of(
@@ -260,7 +280,7 @@ def train(
     optimizer = _optimizer(config, pipe)
     start = starting_point(config, pipe, optimizer)
     position, found = start.position, start.checkpoint
-    params = sum(p.numel() for p in model_config.build(device="meta").parameters())
+    params = sum(p.numel() for p in model_config.build(device="meta").parameters())  # a tie counts once
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
     batches = _batches(loader, position)

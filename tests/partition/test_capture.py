@@ -262,10 +262,14 @@ def test_what_cannot_be_captured_or_cut_is_refused_with_the_reason() -> None:
         CaptureError, match=r"UNetMLP has attributes named \['graph'\], which capture\(\) keeps for the "
     ):
         capture(clashing, torch.randn(2, 16))
-    chain = capture(Dropping(), torch.randn(2, 4), blocks=["blocks.0", "blocks.1"])
+    dropping = Dropping()
+    chain = capture(dropping, torch.randn(2, 4), blocks=["blocks.0", "blocks.1"])
     chain.eval()
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(chain(x), dropping.eval()(x), atol=0, rtol=0)  # its dropout passes x through
+    normed = capture(NormNet(), torch.randn(4, 4)).eval()
     with pytest.raises(RuntimeError, match=r"captured in training mode and contains dropout or batch norm"):
-        chain(torch.randn(2, 4))
+        normed(torch.randn(2, 4))
 
 
 class Dense(nn.Module):

@@ -1,0 +1,56 @@
+"""`stagewise train --model hf:DIR` trains a local Hugging Face folder as it is, from its own weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from support.hf import batch
+
+from stagewise import checkpoint
+from stagewise.cli import main
+from stagewise.run import TrainConfig
+
+
+def test_a_saved_gpt2_trains_from_its_weights_and_its_checkpoint_exports_to_from_pretrained(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        model.transformer.wte.weight.mul_(40)  # weights no initialiser draws: confident, wrong logits at first
+    model.save_pretrained(tmp_path / "gpt2")
+    out = tmp_path / "run"
+    argv = ["--model", f"hf:{tmp_path / 'gpt2'}", "--steps", "30", "--batch-size", "8", "--seq-len", "32"]
+    argv += ["--eval-every", "0", "--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
+    done = subprocess.run(
+        [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=200, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = json.loads((out / "summary.json").read_text())["losses"]
+    assert losses[0] > 8, losses  # a fresh model's would be about ln(256) = 5.5: the folder's weights were read
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    exported = checkpoint.export(checkpoint.latest(out / "ckpt"), tmp_path / "hf", format="hf", config=config)
+    trained = transformers.GPT2LMHeadModel.from_pretrained(exported)
+    stored = torch.load(checkpoint.export(checkpoint.latest(out / "ckpt"), tmp_path / "plain.pt"), weights_only=True)
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(value, stored[name], atol=0, rtol=0, msg=name)
+    assert torch.isfinite(trained(**batch(2, 16, seed=0)).logits).all()
+
+
+def test_a_model_that_is_not_there_is_refused_with_the_forms_a_model_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--model", f"hf:{tmp_path}"])
+    assert f"{tmp_path} holds no config.json; give a folder save_pretrained wrote" in capsys.readouterr().err
+    with pytest.raises(
+        ValueError, match=r"unknown model 'gpt-huge': give a preset \(.*\), hf:DIR .* or MODULE:FACTORY"
+    ):
+        TrainConfig(model="gpt-huge")
