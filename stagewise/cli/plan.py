@@ -20,6 +20,7 @@ from stagewise.partition.profile import working_copy
 from stagewise.plan import Plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.workload import Workload, preset_model, workload, workload_under_load
+from stagewise.run.user_model import HF, UserModel, model_of
 from stagewise.schedule import render
 from stagewise.units import format_bytes, parse_bytes
 
@@ -34,7 +35,10 @@ def add(commands: Any) -> None:
         "times with --profile), and search every layout: the exact partition under the devices' memory, the "
         "simulated step time and each rank's peak memory. Prints the best plans and why others were rejected.",
     )
-    p.add_argument("--model", default="gpt-small", help="a preset, or MODULE:FACTORY returning an nn.Module")
+    p.add_argument(
+        "--model", default="gpt-small",
+        help="a preset, hf:DIR (a local Hugging Face folder) or MODULE:FACTORY returning an nn.Module",
+    )  # fmt: skip
     p.add_argument("--input-shape", default=None, help="for MODULE:FACTORY: one sample's shape, e.g. 128 or 3x32x32")
     p.add_argument("--input-dtype", default="float32", choices=["float32", "int64"], help="for MODULE:FACTORY")
     p.add_argument("--gpus", type=args.positive_int, default=None, help="devices in all (8)")
@@ -70,6 +74,14 @@ def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
         sample = config.example(ns.micro_batch, ns.seq_len)
         tokens = int(sample.shape[1]) if isinstance(config, GPTConfig) else 1
         return config.build(device="meta"), sample, tokens
+    if ns.model.startswith(HF):
+        if ns.input_shape is not None:
+            raise ValueError(f"--input-shape applies to MODULE:FACTORY models; {ns.model} takes token ids")
+        user = model_of(ns.model)
+        assert isinstance(user, UserModel)
+        seq_len = ns.seq_len or 128
+        chain = user.chain(ns.micro_batch, seq_len)
+        return chain, chain.call.positional(user.example(ns.micro_batch, seq_len)), seq_len
     module_name, _, factory_name = ns.model.partition(":")
     if not factory_name:
         raise ValueError(f"--model {ns.model!r} is neither a preset ({sorted(PRESETS)}) nor MODULE:FACTORY")

@@ -17,7 +17,9 @@ from stagewise.cli import main
 from stagewise.run import TrainConfig
 
 
-def test_a_saved_gpt2_trains_from_its_weights_and_its_checkpoint_exports_to_from_pretrained(tmp_path: Path) -> None:
+def test_a_saved_gpt2_is_planned_trains_from_its_weights_and_its_checkpoint_exports_to_from_pretrained(
+    tmp_path: Path,
+) -> None:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=3, n_embd=32, n_head=2, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
@@ -26,9 +28,14 @@ def test_a_saved_gpt2_trains_from_its_weights_and_its_checkpoint_exports_to_from
     with torch.no_grad():
         model.transformer.wte.weight.mul_(40)  # weights no initialiser draws: confident, wrong logits at first
     model.save_pretrained(tmp_path / "gpt2")
-    out = tmp_path / "run"
-    argv = ["--model", f"hf:{tmp_path / 'gpt2'}", "--steps", "30", "--batch-size", "8", "--seq-len", "32"]
-    argv += ["--eval-every", "0", "--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
+    out, plan = tmp_path / "run", tmp_path / "plan.json"
+    model_flag = ["--model", f"hf:{tmp_path / 'gpt2'}"]
+    assert (
+        main(["plan", *model_flag, "--gpus", "2", "--global-batch", "8", "--seq-len", "32", "--json", str(plan)]) == 0
+    )
+    assert json.loads(plan.read_text())["model"] == f"hf:{tmp_path / 'gpt2'}"
+    argv = [*model_flag, "--plan", str(plan), "--steps", "30", "--eval-every", "0"]
+    argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
     done = subprocess.run(
         [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=200, check=False
     )
