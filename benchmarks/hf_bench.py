@@ -29,12 +29,35 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _read_bytes() -> int:
-    """Bytes this process has read through the page cache or from disk (``rchar`` of /proc/self/io)."""
+def _status(field: str) -> int:
+    """A size from /proc/self/status (VmRSS, VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def _reset_peak() -> None:
+    """Start VmHWM (the peak resident set) again from the current one."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _disk_bytes() -> int:
+    """Bytes this process has made the kernel read from disk (``read_bytes`` of /proc/self/io; mmap reads too)."""
     for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
+        if line.startswith("read_bytes:"):
             return int(line.split()[1])
     return -1
+
+
+def _drop_page_cache() -> bool:
+    """Empty the page cache, so that reads come from disk and count (needs root); whether it could."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3")
+    except OSError:
+        return False
+    return True
 
 
 def meta() -> dict[str, Any]:
@@ -105,12 +128,16 @@ def _rank(folder: Path, whole: bool) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=600)
-    before_rss, before_read = _peak_rss(), _read_bytes()
+    if mesh.rank == 0:
+        cold = _drop_page_cache()
+    dist.barrier()
+    rss, disk = _status("VmRSS"), _disk_bytes()
+    _reset_peak()
     began = time.perf_counter()
     if whole:
         model = transformers.GPT2LMHeadModel.from_pretrained(folder)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
-        read = held
+        read, built = held, 0.0
     else:
         with torch.device("meta"):
             model = transformers.GPT2LMHeadModel(_gpt2_config()).train()
@@ -118,15 +145,24 @@ def _rank(folder: Path, whole: bool) -> dict[str, Any]:
         n = len(chain.segments)
         pipe = Pipeline(chain, Partition.from_bounds((0, n // 2, n)), n_microbatches=2,
                         loss_fn=lambda out, target: out.sum(), mesh=mesh)  # fmt: skip
+        built = time.perf_counter() - began
         read = load_pretrained(pipe, folder).bytes_read
         held = sum(p.numel() * p.element_size() for p in pipe.parameters())
     seconds = time.perf_counter() - began
+    peak = _status("VmHWM") - rss
+    disk = _disk_bytes() - disk
     dist.barrier()
     dist.destroy_process_group()
     return {
-        "rank": mesh.rank, "seconds": round(seconds, 2), "tensor_bytes_read": read, "parameter_bytes_held": held,
-        "rss_growth_gib": round((_peak_rss() - before_rss) / GiB, 3),
-        "io_read_gib": round((_read_bytes() - before_read) / GiB, 3),
+        "rank": mesh.rank,
+        "seconds": round(seconds, 2),
+        "build_s": round(built, 2),
+        "load_s": round(seconds - built, 2),
+        "tensor_bytes_read": read,
+        "parameter_bytes_held": held,
+        "peak_rss_growth_gib": round(peak / GiB, 3),
+        "disk_read_gib": round(disk / GiB, 3),
+        "cold_cache": cold if mesh.rank == 0 else None,
     }
 
 

@@ -34,6 +34,21 @@ DROPOUTS = frozenset(
 )
 """Dropout ops whose third argument says whether they drop (``train``): a graph captured in training mode runs
 in evaluation mode with it False."""
+_ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
+_ATTENTION_DROPOUT = 4
+"""Where scaled_dot_product_attention takes ``dropout_p``: a model passes its rate in training and 0 in eval, so a
+graph captured in training mode has the rate burned in."""
+
+
+def depends_on_the_mode(node: fx.Node) -> bool:
+    """Whether ``node`` behaves as the training mode of the capture says: a dropout or a batch norm (see
+    :data:`MODE_DEPENDENT`), or an attention that drops (``dropout_p > 0``)."""
+    if node.target is _ATTENTION:
+        rate = node.args[_ATTENTION_DROPOUT] if len(node.args) > _ATTENTION_DROPOUT else node.kwargs.get("dropout_p")
+        return isinstance(rate, float) and rate > 0
+    return node.target in MODE_DEPENDENT
+
+
 MODE_DEPENDENT = frozenset(
     {
         torch.ops.aten.dropout.default,
@@ -327,7 +342,7 @@ class _SegmentBuilder:
         uses: list[StateUse] = []
         for node in nodes:
             self.env[node] = self.g.node_copy(node, self.lookup)
-            mode_dependent = mode_dependent or node.target in MODE_DEPENDENT
+            mode_dependent = mode_dependent or depends_on_the_mode(node)
             read = tuple(position[a] for a in node.all_input_nodes if a in position)
             if read:
                 uses.append(StateUse(self.env[node].name, read))
@@ -361,8 +376,13 @@ def _build(
 
 
 def only_dropout_depends_on_the_mode(module: fx.GraphModule) -> bool:
-    """Whether every op of ``module`` that behaves differently in training is a dropout (see :data:`DROPOUTS`)."""
-    return all(node.target in DROPOUTS for node in module.graph.nodes if node.target in MODE_DEPENDENT)
+    """Whether every op of ``module`` that behaves differently in training drops: a dropout (see
+    :data:`DROPOUTS`) or an attention with a dropout rate."""
+    return all(
+        node.target in DROPOUTS or node.target is _ATTENTION
+        for node in module.graph.nodes
+        if depends_on_the_mode(node)
+    )
 
 
 def variant(
@@ -394,6 +414,11 @@ def variant(
             copy.args = tuple(new if isinstance(a, torch.device) and a == old else a for a in copy.args)
         if dropout_off and node.target in DROPOUTS:
             copy.args = (*copy.args[:2], False)
+        if dropout_off and depends_on_the_mode(node) and node.target is _ATTENTION:
+            if len(copy.args) > _ATTENTION_DROPOUT:
+                copy.args = (*copy.args[:_ATTENTION_DROPOUT], 0.0, *copy.args[_ATTENTION_DROPOUT + 1 :])
+            else:
+                copy.kwargs = {**copy.kwargs, "dropout_p": 0.0}
         env[node] = copy
         by_name[node.name] = copy
     return fx.GraphModule(module, g, class_name=type(module).__name__)
