@@ -20,6 +20,11 @@ run gpu_check_tiny 150 "$PY" benchmarks/gpu_check.py
 run gpu_check_small 200 "$PY" benchmarks/gpu_check.py --preset gpt-small --seq-len 1024 --batch 10 --microbatches 4
 # [7/9]: the planner's profile on the GPU against a training run of the same single stage.
 run plan_fidelity 240 "$PY" benchmarks/plan_fidelity.py --device cuda --presets gpt-tiny,gpt-small
+# Hugging Face models as they are: GPT-2, Llama and BERT on meta, each schedule on one rank against the unsplit model.
+run hf_gpu_check 240 "$PY" benchmarks/hf_gpu_check.py --steps 3 --layers 4
+# A local Hugging Face folder trained from the command line on one GPU.
+"$PY" -c 'import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=256)).save_pretrained("/tmp/stagewise-hf-gpt2")' > /dev/null 2>&1
+run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --stages 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run
 # The main job on one GPU.
 run train 150 "$PY" -m stagewise train --stages 1 --steps 30 --eval-every 10 --out /tmp/stagewise-gpu-run
 cp /tmp/stagewise-gpu-run/summary.json "$OUT/train_summary.json"

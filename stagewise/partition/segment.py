@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stagewise.partition.graph import SegmentGraph, only_dropout_depends_on_the_mode, variant
+from stagewise.partition.graph import Cut, SegmentGraph, only_dropout_depends_on_the_mode, variant
 from stagewise.partition.layers import Payload
 
 
@@ -53,6 +53,9 @@ class Segment(nn.Module):
         """Return a lone emitted value as a tensor rather than a 1-tuple."""
         self.record: Callable[[tuple[torch.Tensor, ...], object], None] | None = None
         """While set (and gradients are on), called with each op's output that reads state, and that state."""
+        self.cut: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """While recording, the other inputs of each op that reads state pass through this (the identity whose
+        backward zero-bubble's W stops at), so that W from one use of a parameter never reaches an earlier one."""
         self._variants: dict[tuple[torch.device, bool, bool], torch.fx.GraphModule] = {
             (captured_on, False, False): graph.module
         }
@@ -120,9 +123,11 @@ class Segment(nn.Module):
         module = self._variants.get(key)
         if module is None:
             extra = [use.node for use in self.graph.uses] if recording else []
+            cut = Cut(self.cut, len(self.graph.state)) if recording and self.cut is not None else None
             module = variant(
-                self.graph.module, old=self.captured_on, new=device, also_return=extra, dropout_off=dropout_off
-            )
+                self.graph.module, old=self.captured_on, new=device, also_return=extra, dropout_off=dropout_off,
+                cut=cut,
+            )  # fmt: skip
             self._variants[key] = module
         return module
 

@@ -139,6 +139,14 @@ class _Stop(torch.autograd.Function):
         return None if _DIRECT_ONLY[0] else grad
 
 
+def stop_for_weight_gradients(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through the identity that zero-bubble's W stops at (see :func:`direct_gradients_only`); I passes."""
+    if not x.requires_grad:
+        return x
+    out: torch.Tensor = _Stop.apply(x)  # type: ignore[no-untyped-call]
+    return out
+
+
 @contextmanager
 def direct_gradients_only() -> Iterator[None]:
     """Within, autograd from a use's output stops at the inputs :class:`ParameterUses` marked: zero-bubble's W.

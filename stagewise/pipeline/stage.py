@@ -18,7 +18,7 @@ from stagewise.partition import Layer, Segment, SharedParameter
 from stagewise.pipeline.config import Compute
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.materialise import Materialising, materialise
-from stagewise.pipeline.split_backward import ParameterUses, WeightUse, unseen_reads
+from stagewise.pipeline.split_backward import ParameterUses, WeightUse, stop_for_weight_gradients, unseen_reads
 from stagewise.pipeline.tied_weights import retie
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class StageModule(nn.Module):
         for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
             if isinstance(layer, Segment):
                 layer.record = self._record_use
+                layer.cut = stop_for_weight_gradients
 
     def _record_use(self, params: tuple[torch.Tensor, ...], output: object) -> None:
         if self.capture is None:
