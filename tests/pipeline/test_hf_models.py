@@ -53,6 +53,17 @@ def unsplit(kind: Kind) -> dict[str, Any]:
     return {"losses": losses, "params": {k: v for k, v in model.state_dict().items()}}
 
 
+def trained(pipe: Pipeline) -> dict[str, Any]:
+    """The losses of ``pipe`` over :func:`steps` of SGD, and its parameters after them."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for inputs, targets in steps():
+        opt.zero_grad()
+        losses.append(pipe.step(inputs, targets).item())
+        opt.step()
+    return {"losses": losses, "params": pipe.state_dict()}
+
+
 def train_every_schedule() -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=60)
@@ -70,15 +81,7 @@ def train_every_schedule() -> dict[str, Any]:
             )  # fmt: skip
             allocated = sum(p.numel() for p in chain.parameters() if not p.is_meta)
             own = sum(p.numel() for p in pipe.parameters())
-            opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
-            losses = []
-            for inputs, targets in steps():
-                opt.zero_grad()
-                losses.append(pipe.step(inputs, targets).item())
-                opt.step()
-            results[f"{kind} {schedule}"] = {
-                "losses": losses, "params": pipe.state_dict(), "allocated": allocated, "own": own,
-            }  # fmt: skip
+            results[f"{kind} {schedule}"] = {**trained(pipe), "allocated": allocated, "own": own}
             pipe.close()
     dist.destroy_process_group()
     return results
@@ -108,14 +111,9 @@ def train_in_one_stage(schedule: str) -> dict[str, Any]:
         chain, Partition.from_bounds((0, 4)), schedule=schedule, n_microbatches=MICRO, loss_fn=lm_loss, mesh=mesh,
         options=PipelineOptions(seed=SEED),
     )  # fmt: skip
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    losses = []
-    for inputs, targets in steps():
-        opt.zero_grad()
-        losses.append(pipe.step(inputs, targets).item())
-        opt.step()
+    result = trained(pipe)
     dist.destroy_process_group()
-    return {"losses": losses, "params": pipe.state_dict()}
+    return result
 
 
 def test_a_head_tied_to_the_embedding_of_the_same_stage_gets_each_use_once_under_zero_bubble() -> None:
