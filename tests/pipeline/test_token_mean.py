@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from support.multiproc import run_ranks
 
 from stagewise.comm import init_mesh
-from stagewise.models import GPT, GPTConfig
+from stagewise.models import GPT, GPTConfig, preset
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, PipelineOptions, materialise_model
 from stagewise.pipeline.microbatch import split
 from stagewise.pipeline.tokens import check_tokens, per_token, valid_tokens
+from stagewise.run.objective import objective
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2)
 BOUNDS = (0, 2, 5)  # embed, blocks.0 | blocks.1, norm, head
@@ -217,3 +218,12 @@ def test_counting_takes_the_first_target_tensor_and_refuses_float_targets_and_no
         check_tokens(0, IGNORE)
     check_tokens(1, IGNORE)
     assert per_token(split(ids, 2, what="targets", reduction="tokens"), 0).weights == (0.0, 0.0)
+
+
+def test_the_language_model_presets_train_on_the_token_mean_which_is_the_mean_on_unpadded_text() -> None:
+    goal, model = objective(preset("gpt-tiny")), preset("gpt-tiny")
+    assert goal.reduction == "tokens" and goal.ignore_index == IGNORE
+    assert objective(preset("mlp-tiny")).reduction == "mean"
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(2, 5, 256, generator=g), torch.randint(0, 256, (2, 5), generator=g)
+    torch.testing.assert_close(goal.loss_fn(logits, targets) / targets.numel(), model.loss(logits, targets))
