@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+IGNORE_INDEX = -100
+"""The target of a position no loss counts (padding): ``F.cross_entropy``'s default, and Hugging Face's."""
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -59,6 +62,12 @@ class GPTConfig:
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy, averaged over every position of every sequence."""
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    @staticmethod
+    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Next-token cross-entropy summed over the positions whose target is not :data:`IGNORE_INDEX` (padding):
+        a pipeline with ``loss_reduction="tokens"`` divides it by the global batch's count of those positions."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class Table(nn.Module):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -110,7 +110,15 @@ class PipelineOptions:
     (a Hugging Face model's ``_init_weights``), else each module's ``reset_parameters``."""
     loss_reduction: LossReduction = "mean"
     """How ``loss_fn`` reduces over a batch: "mean" (torch's losses' default) weights each micro-batch's loss by
-    its share of the batch; "sum" adds them."""
+    its share of the batch; "sum" adds them; "tokens" takes the mean over the valid target tokens of the global
+    batch, as Hugging Face's language-model losses do on padded batches: ``loss_fn`` returns the *sum* of its
+    micro-batch's per-token losses (e.g. ``F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+    ignore_index=-100, reduction="sum")``), and each sum is divided by the count of targets other than
+    ``ignore_index`` over every micro-batch of every replica (of the first tensor, where the targets are a tuple).
+    Replicas' batches may then differ in size; a global batch without valid tokens is refused on every rank."""
+    ignore_index: int = -100
+    """With ``loss_reduction="tokens"``: the target value that marks a position no loss counts (padding), as
+    ``ignore_index`` does in ``F.cross_entropy`` (whose default, and Hugging Face's, is -100); unused otherwise."""
     compute: Compute = field(default_factory=Compute)
     """Precision and recomputation of the stages' forwards."""
     diagnostics: Diagnostics = field(default_factory=Diagnostics)
@@ -138,8 +146,12 @@ class PipelineOptions:
                     f"PipelineOptions.device must name a torch device (e.g. 'cpu', 'cuda:0') or be None (the "
                     f"mesh's), got {self.device!r}"
                 ) from err
-        if self.loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"PipelineOptions.loss_reduction must be 'mean' or 'sum', got {self.loss_reduction!r}")
+        if self.loss_reduction not in get_args(LossReduction):
+            raise ValueError(
+                f"PipelineOptions.loss_reduction must be 'mean', 'sum' or 'tokens', got {self.loss_reduction!r}; "
+                "'tokens' is the mean over the valid target tokens of a padded batch"
+            )
+        _whole("PipelineOptions.ignore_index", self.ignore_index, least=None)
         _instance("compute", self.compute, Compute)
         _instance("diagnostics", self.diagnostics, Diagnostics)
         if self.fuse_weight_gradients is not None and not isinstance(self.fuse_weight_gradients, WeightGradientFusion):

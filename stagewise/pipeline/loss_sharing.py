@@ -19,6 +19,8 @@ class SharedLoss:
     """The loss over all replicas (float32, 0-dim)."""
     bad_microbatch: int
     """This replica's first micro-batch whose loss was not finite, or -1."""
+    tokens: int
+    """For a token mean, the global batch's valid target tokens, as the last stage counted them; else -1."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ def share_loss(
     last: int,
     mean: bool,
     bad_microbatch: int = -1,
+    tokens: int = -1,
     training: bool = True,
 ) -> SharedLoss:
     """The global batch's loss on every rank: combined over the replicas, then sent along the pipeline.
@@ -47,8 +50,10 @@ def share_loss(
     ``loss`` and ``samples`` are this rank's (None and 0 off the last stage);
     ``last`` is the global rank of this replica's last stage, and ``mean``
     whether the loss is a mean, which weights each replica's by its samples
-    when the mesh has replicas (``dp > 1``) to combine. ``bad_microbatch``
-    travels along from the last stage. With ``training``, replicas whose
+    when the mesh has replicas (``dp > 1``) to combine; otherwise (a sum, or
+    a token mean, already divided by the global count) they are added.
+    ``bad_microbatch`` and ``tokens`` (a token mean's global count) travel
+    along from the last stage. With ``training`` and ``mean``, replicas whose
     batches differ in size are refused: DDP would average their gradients
     with equal weights. The loss travels as :func:`along_pipeline` sends it;
     every wait is bounded by ``sharing.timeout``.
@@ -64,7 +69,7 @@ def share_loss(
         with named_collective(rank=mesh.rank, peer=peer, what=what, timeout=sharing.timeout):
             whole = combine_losses(loss, samples, group=group, mean=mean)
         loss, smallest, largest = whole.loss, whole.smallest, whole.largest
-    packet = torch.tensor([float(loss), smallest, largest, bad_microbatch], dtype=torch.float64, device=device)
+    packet = torch.tensor([float(loss), smallest, largest, bad_microbatch, tokens], dtype=torch.float64, device=device)
     what = f"the loss from rank {last}, the last stage's, sent along the pipeline"
     packet = along_pipeline(packet, last, mesh=mesh, transport=sharing.transport, what=what)
     smallest, largest = int(packet[1]), int(packet[2])
@@ -74,7 +79,7 @@ def share_loss(
             "gradients with equal weights, so this step's gradients are not the global batch's mean; give "
             "every replica the same number of samples (stagewise.pipeline.StageLoader does)"
         )
-    return SharedLoss(packet[0].to(torch.float32), int(packet[3]))
+    return SharedLoss(packet[0].to(torch.float32), int(packet[3]), int(packet[4]))
 
 
 def share_count(count: int, *, sharing: Sharing, first: int) -> int:

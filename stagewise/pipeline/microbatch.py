@@ -10,8 +10,9 @@ import torch
 
 from stagewise.comm import Payload, as_tensors
 
-LossReduction = Literal["mean", "sum"]
-"""How ``loss_fn`` reduces over the samples of a batch."""
+LossReduction = Literal["mean", "sum", "tokens"]
+"""How ``loss_fn`` reduces over a batch: the mean or the sum over its samples, or the sum over its tokens, which
+the pipeline divides by the global batch's valid tokens (see :mod:`stagewise.pipeline.tokens`)."""
 
 LossFn = Callable[[Payload, Payload], torch.Tensor]
 """``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
@@ -34,7 +35,10 @@ class Microbatches:
     sizes: tuple[int, ...]
     """Samples in each micro-batch; they differ by at most one."""
     weights: tuple[float, ...]
-    """Factor of each micro-batch's loss: ``size / batch`` for a mean loss, 1 for a sum."""
+    """Factor of each micro-batch's loss: ``size / batch`` for a mean loss, 1 for a sum, and for a token mean
+    1 / :attr:`tokens` (:func:`stagewise.pipeline.tokens.per_token`; 1 until then)."""
+    tokens: int = -1
+    """For a token mean, the valid target tokens of the global batch, by which each summed loss is divided; else -1."""
 
 
 def batch_size(payload: Payload, what: str) -> int:
@@ -60,7 +64,7 @@ def split(payload: Payload, n: int, *, what: str, reduction: LossReduction = "me
     pieces = [torch.tensor_split(t, n) for t in tensors]
     parts: list[Payload] = [tuple(p[i] for p in pieces) if is_tuple else pieces[0][i] for i in range(n)]
     sizes = tuple(int(p[0].shape[0]) for p in zip(*pieces, strict=True))
-    weights = tuple(s / total if reduction == "mean" else 1.0 for s in sizes)
+    weights = tuple(s / total if reduction == "mean" else 1.0 for s in sizes)  # a token mean's: per_token()
     return Microbatches(tuple(parts), sizes, weights)
 
 

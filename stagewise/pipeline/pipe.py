@@ -27,6 +27,7 @@ from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_
 from stagewise.pipeline.parameters import HeldStages
 from stagewise.pipeline.stage import own_stages
 from stagewise.pipeline.tied_weights import Ties
+from stagewise.pipeline.tokens import check_tokens, global_tokens, per_token, valid_tokens
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.builders import ScheduleName
 from stagewise.schedule.render import to_chrome_trace
@@ -70,7 +71,11 @@ class Pipeline(HeldStages):
     ``loss_fn(model(inputs), targets)`` on the whole batch in one process:
     with ``loss_reduction="mean"`` (a loss averaged over the batch, the
     default of torch's losses) each micro-batch's loss is weighted by its
-    share of the batch, ``size / batch``; with ``"sum"`` the losses are added.
+    share of the batch, ``size / batch``; with ``"sum"`` the losses are added;
+    with ``"tokens"`` ``loss_fn`` sums its micro-batch's per-token losses and
+    each sum is divided by the valid target tokens of the global batch (see
+    :attr:`PipelineOptions.loss_reduction`), Hugging Face's mean over the
+    tokens of a padded batch.
 
     With a mesh of ``dp > 1`` the model is trained by ``dp`` pipelines at
     once, each on its own batch (``step`` takes this replica's share of the
@@ -79,14 +84,16 @@ class Pipeline(HeldStages):
     all-reduced once per step, during the backward that completes them, and
     the result equals one process on the concatenated global batch. For a
     mean loss every replica's batch must have the same size (see
-    :class:`stagewise.pipeline.StageLoader`).
+    :class:`stagewise.pipeline.StageLoader`); a sum or a token mean takes
+    batches of different sizes.
 
     Args:
         model: a chain (see :func:`stagewise.partition.layers_of`), on the meta device or with real weights.
         partition: the split into stages; ``partition.n_stages`` must be ``n_ranks * n_virtual``.
         schedule: a built-in schedule's name, or a :class:`Schedule` (e.g. loaded from text).
         n_microbatches: micro-batches per step.
-        loss_fn: ``loss_fn(output, target)`` for one micro-batch, a scalar tensor.
+        loss_fn: ``loss_fn(output, target)`` for one micro-batch, a scalar tensor (reduced as
+            ``options.loss_reduction`` says: with "tokens", the sum over the micro-batch's tokens).
         mesh: the process mesh; by default :func:`stagewise.comm.init_mesh` with ``pp`` ranks.
         timeout: bound on every wait of this pipeline for another rank, in seconds: transfers, tied weights,
             the replicas' all-reduce, clipping's all-reduce and the loss's sharing. None: the mesh's
@@ -211,7 +218,8 @@ class Pipeline(HeldStages):
             self.transport,
             peers,
             replicas=self.replicas,
-            grad_scale=float(dp) if self.loss_reduction == "sum" else 1.0,  # DDP averages; a sum wants the total
+            # DDP averages; a sum wants the total, and so does a token mean (divided by the global count already)
+            grad_scale=float(dp) if self.loss_reduction in ("sum", "tokens") else 1.0,
             fusion=self.fusion,
         )
 
@@ -294,7 +302,7 @@ class Pipeline(HeldStages):
                 raise ValueError(
                     f"rank {self.mesh.rank} holds the last stage and needs the targets to compute the loss; got None"
                 )
-            tgs = split(self._to_device(targets), m, what="targets", reduction=self.loss_reduction)
+            tgs = self._split_targets(targets, m)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
         # A skipped step drops its own gradients only, not those accumulated over earlier steps.
@@ -306,7 +314,7 @@ class Pipeline(HeldStages):
         self._record(result)
         self.steps += 1
         bad = first_non_finite(result.microbatch_losses)
-        loss = self._share_loss(result.loss, sum(tgs.sizes) if tgs is not None else 0, bad_microbatch=bad)
+        loss = self._share_loss(result.loss, tgs, bad_microbatch=bad)
         where = self._bad_microbatch
         which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
         self.skipped = skipped_step(
@@ -326,25 +334,43 @@ class Pipeline(HeldStages):
         ins, count = self._forward_inputs(inputs)
         tgs = None
         if targets is not None and self.is_last:
-            tgs = split(self._to_device(targets), count, what="targets", reduction=self.loss_reduction)
+            tgs = self._split_targets(targets, count)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
         # Each micro-batch's loss is taken as its output arrives, weighted as step() weights them.
         loss = self._forward(ins, count, tgs).loss if tgs is not None else self._forward(ins, count).loss
-        samples = sum(tgs.sizes) if tgs is not None else 0
-        return self._share_loss(loss, samples, training=False)  # no gradients: replicas may differ in size
+        return self._share_loss(loss, tgs, training=False)  # no gradients: replicas may differ in size
+
+    def _split_targets(self, targets: Payload, count: int) -> Microbatches:
+        """The last stage's ``count`` micro-batches of ``targets``, each weighted as :attr:`loss_reduction` says;
+        for a token mean, after counting the valid tokens of the global batch (over the replicas' last stages)."""
+        whole = self._to_device(targets)
+        parts = split(whole, count, what="targets", reduction=self.loss_reduction)
+        if self.loss_reduction != "tokens":
+            return parts
+        mine = valid_tokens(whole, self.options.ignore_index)
+        return per_token(parts, global_tokens(mine, mesh=self.mesh, timeout=self.timeout))
 
     def _share_loss(
-        self, loss: torch.Tensor | None, samples: int, *, bad_microbatch: int = -1, training: bool = True
+        self,
+        loss: torch.Tensor | None,
+        targets: Microbatches | None,
+        *,
+        bad_microbatch: int = -1,
+        training: bool = True,
     ) -> torch.Tensor:
-        """The global batch's loss on every rank (see :func:`share_loss`); keeps this replica's first bad
-        micro-batch in :attr:`_bad_microbatch`."""
+        """The global batch's loss on every rank (see :func:`share_loss`), from the last stage's ``loss`` on its
+        ``targets`` (None elsewhere); keeps this replica's first bad micro-batch in :attr:`_bad_microbatch`. A
+        token mean over no valid tokens is refused here, on every rank."""
         last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
+        samples, tokens = (sum(targets.sizes), targets.tokens) if targets is not None else (0, -1)
         shared = share_loss(
             loss, samples, sharing=self._sharing, last=last, mean=self.loss_reduction == "mean",
-            bad_microbatch=bad_microbatch, training=training,
+            bad_microbatch=bad_microbatch, tokens=tokens, training=training,
         )  # fmt: skip
         self._bad_microbatch = shared.bad_microbatch
+        if self.loss_reduction == "tokens":
+            check_tokens(shared.tokens, self.options.ignore_index)
         return shared.loss
 
     def clip_grad_norm_(

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +27,6 @@ from stagewise.pipeline import (
     DataParallel,
     Diagnostics,
     LoaderOptions,
-    LossFn,
     Pipeline,
     PipelineOptions,
     StageLoader,
@@ -36,6 +35,7 @@ from stagewise.pipeline import (
 )
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
+from stagewise.run.objective import objective
 from stagewise.run.resume import starting_point
 from stagewise.run.stopping import StopSignal, StopSignals
 from stagewise.run.user_model import UserModel, model_of
@@ -152,7 +152,7 @@ def preflight(config: TrainConfig) -> None:
         else balance([1.0] * len(layers), n_stages)
     )
     checked_schedule(
-        layers, part, config.schedule, config.microbatches, loss_fn=cast(LossFn, model_config.loss),
+        layers, part, config.schedule, config.microbatches, loss_fn=objective(model_config).loss_fn,
         options=pipeline_options(config),
     )  # fmt: skip
     train_data, val_data = _datasets(config, model_config)
@@ -194,7 +194,7 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
         part,
         schedule=config.schedule,
         n_microbatches=config.microbatches,
-        loss_fn=cast(LossFn, model_config.loss),
+        loss_fn=objective(model_config).loss_fn,
         mesh=mesh,
         options=pipeline_options(config),
     )
@@ -205,11 +205,14 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
 
 
 def pipeline_options(config: TrainConfig) -> PipelineOptions:
-    """The rarer knobs of ``config``'s Pipeline."""
+    """The rarer knobs of ``config``'s Pipeline; its loss reduction is its model's (:func:`objective`)."""
     fusion = WeightGradientFusion(pool=config.weight_gradient_pool) if config.weight_gradient_fusion else None
+    goal = objective(model_of(config.model))
     return PipelineOptions(
         n_virtual=config.virtual,
         seed=config.seed,
+        loss_reduction=goal.reduction,
+        ignore_index=goal.ignore_index,
         compute=Compute(
             autocast=torch.bfloat16 if config.bf16 else None, activation_checkpointing=config.activation_checkpointing
         ),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.models import PRESETS, ModelConfig, preset
+from stagewise.models.gpt import IGNORE_INDEX
 from stagewise.partition import CapturedChain, capture
 
 HF = "hf:"
@@ -90,7 +91,15 @@ class UserModel:
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of each position's logits against the next token (the run's targets are shifted)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+    @staticmethod
+    def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The same cross-entropy summed over the positions whose target is not padding, for a pipeline with
+        ``loss_reduction="tokens"``: the global batch's token mean, as Hugging Face computes it."""
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
 
 
 def _factory(name: str) -> Any:
