@@ -141,7 +141,7 @@ def test_resume_without_a_checkpoint_dir_is_refused() -> None:
         ValueError, match=r"weight_gradient_pool must be a number of backwards >= 1, 'free' or None, got 0"
     ):
         dataclasses.replace(BASE, weight_gradient_pool=0)
-    with pytest.raises(ValueError, match=r"unknown model preset 'gpt-huge'"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt-huge': give a preset \("):
         dataclasses.replace(BASE, model="gpt-huge")
     with pytest.raises(ValueError, match=r"microbatches must be a whole number >= 1, got 0"):
         dataclasses.replace(BASE, microbatches=0)
