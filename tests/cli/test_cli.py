@@ -231,7 +231,7 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     )
     for flag, value in (("--seq-len", "64"), ("--data", "books/"), ("--data-limit", "1MiB")):
         assert main(["train", "--model", "mlp-tiny", flag, value]) == 2
-        assert f"{flag} applies to the GPT presets, which read text; mlp-tiny trains on data of its own" in (
+        assert f"{flag} applies to language models, which read text; mlp-tiny trains on data of its own" in (
             capsys.readouterr().err
         )
     assert main(["train", "--no-weight-grad-fusion", "--weight-grad-pool", "2"]) == 2
