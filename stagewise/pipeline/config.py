@@ -10,7 +10,6 @@ from typing import Any, get_args
 import torch
 
 from stagewise.partition import Layer, Partition
-from stagewise.pipeline.batch_norm import BatchNormMode
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.materialise import Initialiser
 from stagewise.pipeline.microbatch import LossFn, LossReduction
@@ -133,13 +132,6 @@ class PipelineOptions:
     gradient accumulator see only the backwards not fused (with ``dp > 1``, each stage's last of a step, which DDP
     all-reduces); pass None if they must see every micro-batch. With ``DataParallel(find_unused_parameters=True)``
     there is no fusion: DDP learns from those hooks which parameters each replica used."""
-    batch_norm: BatchNormMode | None = None
-    """How batch norms in training mode treat a step's micro-batches (:data:`BatchNormMode`): "deferred" (the
-    default where the stages hold batch norms that run as modules and a step has several micro-batches) normalises
-    each micro-batch by its own statistics and moves the running statistics and ``num_batches_tracked`` once per
-    step, by the replica's whole batch, as the unsplit model on that batch; "deferred-global" by the global batch
-    over the replicas; "micro-batch" moves them at every micro-batch, as torch's batch norm does. A captured
-    model's batch norms are ops of its graph: they run per micro-batch, and a deferred mode is refused."""
     data_parallel: DataParallel | None = None
     """DDP's options for the replicas of each stage when the mesh has ``dp > 1``; None: ``DataParallel()``."""
 
@@ -154,11 +146,6 @@ class PipelineOptions:
                     f"PipelineOptions.device must name a torch device (e.g. 'cpu', 'cuda:0') or be None (the "
                     f"mesh's), got {self.device!r}"
                 ) from err
-        if self.batch_norm is not None and self.batch_norm not in get_args(BatchNormMode):
-            raise ValueError(
-                f"PipelineOptions.batch_norm must be one of {list(get_args(BatchNormMode))} or None (deferred where "
-                f"the model has batch norms), got {self.batch_norm!r}"
-            )
         if self.loss_reduction not in get_args(LossReduction):
             raise ValueError(
                 f"PipelineOptions.loss_reduction must be 'mean', 'sum' or 'tokens', got {self.loss_reduction!r}; "

@@ -15,7 +15,6 @@ from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_me
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shared_parameters
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
-from stagewise.pipeline.batch_norm import BatchNormMode, DeferredBatchNorm, batch_norms, deferred_mode
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
 from stagewise.pipeline.data_parallel import Replicas
@@ -190,18 +189,6 @@ class Pipeline(HeldStages):
             making=Materialising(self.device, options.seed, initialiser_of(model, options.init)),
             compute=options.compute, fusion=self.fusion,
         )  # fmt: skip
-        norms = batch_norms(self.stages.values())
-        mode = deferred_mode(options.batch_norm, norms, self.n_microbatches, captured=isinstance(model, CapturedChain))
-        self.batch_norm: BatchNormMode = mode
-        """How the stages' batch norms treat a step's micro-batches (see :data:`BatchNormMode`)."""
-        self._deferred = (
-            DeferredBatchNorm(
-                norms, group=self.mesh.dp_group if mode == "deferred-global" and self.mesh.layout.dp > 1 else None,
-                timeout=self.mesh.timeout, rank=self.mesh.rank,
-            )
-            if mode != "micro-batch" and norms
-            else None
-        )  # fmt: skip
 
     def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
         """The pipeline's links to other ranks, each bounded by :attr:`timeout`: tied copies, the transport,
@@ -245,8 +232,6 @@ class Pipeline(HeldStages):
         if self.closed:
             return
         self.closed = True
-        if self._deferred is not None:
-            self._deferred.close()
         try:
             self.transport.close(wait=wait)
         finally:
@@ -323,12 +308,8 @@ class Pipeline(HeldStages):
         # A skipped step drops its own gradients only, not those accumulated over earlier steps.
         earlier = EarlierGradients.copy(self.parameters()) if self.nonfinite == "skip" else None
         before = self.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
-        if self._deferred is not None:
-            self._deferred.begin()
         with torch.enable_grad():
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
-        if self._deferred is not None:
-            self._deferred.commit()  # the running statistics move once, by the whole batch's
         self.ties.sum_gradients(before)
         self._record(result)
         self.steps += 1

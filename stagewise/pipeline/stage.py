@@ -15,7 +15,6 @@ from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, SharedParameter
-from stagewise.pipeline.batch_norm import recomputing
 from stagewise.pipeline.config import Compute
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.materialise import Materialising, materialise
@@ -51,8 +50,7 @@ def _statistics_frozen(layer: nn.Module) -> Iterator[None]:
     tracking = [m for m in layer.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
     kept = [(b, b.clone()) for m in tracking for b in m.buffers(recurse=False)]
     try:
-        with recomputing():  # deferred batch norms count nothing again
-            yield
+        yield
     finally:
         for buffer, value in kept:
             buffer.data.copy_(value)
