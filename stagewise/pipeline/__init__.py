@@ -1,5 +1,6 @@
 """The runtime: the Pipeline running a schedule on its stages, with its data, parallelism and gradient parts."""
 
+from stagewise.pipeline.batch_norm import BatchNormStatistics
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, PipelineOptions
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
@@ -14,6 +15,7 @@ from stagewise.pipeline.stage import StageError
 
 __all__ = [
     "Batch",
+    "BatchNormStatistics",
     "Compute",
     "DataParallel",
     "Diagnostics",

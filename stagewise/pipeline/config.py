@@ -10,6 +10,7 @@ from typing import Any, get_args
 import torch
 
 from stagewise.partition import Layer, Partition
+from stagewise.pipeline.batch_norm import CHOICES, BatchNormStatistics
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.materialise import Initialiser
 from stagewise.pipeline.microbatch import LossFn, LossReduction
@@ -134,6 +135,21 @@ class PipelineOptions:
     there is no fusion: DDP learns from those hooks which parameters each replica used."""
     data_parallel: DataParallel | None = None
     """DDP's options for the replicas of each stage when the mesh has ``dp > 1``; None: ``DataParallel()``."""
+    batch_norm: BatchNormStatistics = "auto"
+    """Which batch moves the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)
+    of the model's batch norms (every ``torch.nn.modules.batchnorm._BatchNorm`` that tracks them) in training.
+    Each micro-batch is normalised with its own statistics whatever this says, as with gradient accumulation.
+    "micro-batch": every micro-batch's forward moves them, ``n_microbatches`` times a step. "batch": once per
+    step, from the whole batch of this replica (the micro-batches' per-channel counts, sums and sums of
+    squares, added in float64), as one training forward of each batch norm on its inputs of the whole batch
+    would move them (by momentum, or the cumulative average when it is None; the unbiased variance).
+    "global-batch": the same over the global batch, the sums all-reduced over each stage's replicas (as
+    SyncBatchNorm's running statistics; "batch" when ``dp == 1``), so replicas keep equal statistics.
+    "auto" (the default): "batch" when the model has such batch norms and ``n_microbatches > 1``, else
+    "micro-batch". Under "batch" and "global-batch", a skipped or failed step, ``evaluate`` and ``predict``
+    move none of them. Captured models (:func:`~stagewise.partition.capture`) defer them too where
+    torch.export keeps ``aten.batch_norm`` in the graph; one that updates them inside
+    ``_native_batch_norm_legit`` ops (older torch) is refused, and "auto" is then "micro-batch"."""
 
     def __post_init__(self) -> None:
         _whole("PipelineOptions.n_virtual", self.n_virtual, least=1)
@@ -162,6 +178,10 @@ class PipelineOptions:
             )
         if self.data_parallel is not None:
             _instance("data_parallel", self.data_parallel, DataParallel)
+        if self.batch_norm not in CHOICES:
+            raise ValueError(
+                f"PipelineOptions.batch_norm must be one of {', '.join(map(repr, CHOICES))}, got {self.batch_norm!r}"
+            )
 
 
 def _whole(name: str, value: object, *, least: int | None) -> None:

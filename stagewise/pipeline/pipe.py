@@ -15,6 +15,7 @@ from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_me
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shared_parameters
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
+from stagewise.pipeline.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
 from stagewise.pipeline.clip import clip_grad_norm_
 from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
 from stagewise.pipeline.data_parallel import Replicas
@@ -87,6 +88,11 @@ class Pipeline(HeldStages):
     :class:`stagewise.pipeline.StageLoader`); a sum or a token mean takes
     batches of different sizes.
 
+    Batch norms normalise each micro-batch with its own statistics, as with
+    gradient accumulation; by default their running statistics move once per
+    step, from the whole batch, not once per micro-batch (see
+    ``PipelineOptions.batch_norm``).
+
     Args:
         model: a chain (see :func:`stagewise.partition.layers_of`), on the meta device or with real weights.
         partition: the split into stages; ``partition.n_stages`` must be ``n_ranks * n_virtual``.
@@ -103,7 +109,7 @@ class Pipeline(HeldStages):
             :attr:`timeout`.
         options: the rarer knobs, grouped (:class:`~stagewise.pipeline.PipelineOptions`: virtual stages,
             device, seed, loss reduction, precision and recomputation, diagnostics, weight-gradient fusion,
-            data parallelism); None: their defaults.
+            data parallelism, batch norms' running statistics); None: their defaults.
     """
 
     def __init__(
@@ -189,6 +195,9 @@ class Pipeline(HeldStages):
             making=Materialising(self.device, options.seed, initialiser_of(model, options.init)),
             compute=options.compute, fusion=self.fusion,
         )  # fmt: skip
+        self.batch_norm: StatisticsSource = statistics_source(options.batch_norm, layers, self.n_microbatches)
+        """Which batch moves the running statistics of the model's batch norms: ``options.batch_norm``, "auto"
+        resolved for this model."""
 
     def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
         """The pipeline's links to other ranks, each bounded by :attr:`timeout`: tied copies, the transport,
@@ -211,6 +220,15 @@ class Pipeline(HeldStages):
             self.replicas = Replicas(
                 self.stages, group=self.mesh.dp_group, device=self.device, config=config, timeout=timeout
             )
+        self._norms: DeferredBatchNorm | None = None
+        if self.batch_norm != "micro-batch":
+            global_batch = self.batch_norm == "global-batch" and dp > 1
+            self._norms = DeferredBatchNorm(
+                self.stages, group=self.mesh.dp_group if global_batch else None, timeout=timeout
+            )
+            for s, norms in self._norms.stages.items():
+                self.stages[s].batch_norms = norms
+            log.info("the batch norms of stages %s move their statistics once per step", list(self._norms.stages))
         self.executor = Executor(
             plan,
             self.position,
@@ -308,6 +326,8 @@ class Pipeline(HeldStages):
         # A skipped step drops its own gradients only, not those accumulated over earlier steps.
         earlier = EarlierGradients.copy(self.parameters()) if self.nonfinite == "skip" else None
         before = self.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
+        if self._norms is not None:
+            self._norms.begin()  # a step that failed before its end moved no statistics, and leaves none behind
         with torch.enable_grad():
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
         self.ties.sum_gradients(before)
@@ -321,6 +341,8 @@ class Pipeline(HeldStages):
             loss, self.nonfinite, where=f"at step {self.steps} (first non-finite: {which})", earlier=earlier,
             params=self.parameters(),
         )  # fmt: skip
+        if self._norms is not None and not self.skipped:
+            self._norms.commit()
         return loss
 
     def evaluate(self, inputs: Inputs | None, targets: Payload | None = None) -> torch.Tensor:

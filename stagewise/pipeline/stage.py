@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, SharedParameter
+from stagewise.pipeline.batch_norm import StageNorms
 from stagewise.pipeline.config import Compute
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.materialise import Materialising, materialise
@@ -101,6 +102,9 @@ class StageModule(nn.Module):
         """Whether the layers change their input in place, so that they run on a copy (None: not known yet)."""
         self._recorder: ParameterUses | None = None
         """Records the uses of parameters outside segments; built once: a stage's parameters are fixed once it runs."""
+        self.batch_norms: StageNorms | None = None
+        """While set, the stage's batch norms move no running statistics in its forwards: a training forward
+        (one with gradients) collects what they normalised, for one update per step (see :class:`StageNorms`)."""
         for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
             if isinstance(layer, Segment):
                 layer.record = self._record_use
@@ -183,6 +187,12 @@ class StageModule(nn.Module):
         large = self._fusible(pooled=pooled) if fused else []
         fusing = FusedWeightGradients(large, store=store, anchor=anchor, own=self._own_ids()) if large else None
         modes: list[TorchFunctionMode] = [fusing] if fusing is not None else []
+        norms = self.batch_norms
+        if norms is not None:  # outermost; inside the checkpointed call, so a recomputation calls them the same way
+            modes.insert(0, norms.mode())
+        deferring: AbstractContextManager[None] = (
+            norms.forward(collect=torch.is_grad_enabled()) if norms is not None else nullcontext()
+        )
         recording = modes
         if owners is not None:
             if self._recorder is None:
@@ -193,7 +203,7 @@ class StageModule(nn.Module):
             recording = [*modes, self._recorder]
         calls = {True: functools.partial(_call, modes), False: functools.partial(_call, recording)}
         try:
-            with cast:
+            with cast, deferring:
                 for layer in self.layers:
                     call = calls[isinstance(layer, Segment)]
                     if self.checkpointing and torch.is_grad_enabled():
