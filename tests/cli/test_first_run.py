@@ -128,7 +128,7 @@ def test_a_failure_in_a_rank_is_one_line_with_the_log_that_holds_the_rest(tmp_pa
     lines = [line for line in err.replace("\r", "\n").splitlines() if line and not line.startswith("train:")]
     assert len(lines) == 1, lines
     failed = re.fullmatch(
-        r"stagewise train: rank 1 \(stage 1, replica 0\) failed(?: \(exit code \d+\))?: NonFiniteLossError: "
+        r"stagewise train: rank \d \(stage \d, replica 0\) failed(?: \(exit code \d+\))?: NonFiniteLossError: "
         r"the loss is (?:nan|inf) at step \d+ .*\(the full report: (\S+)\)",
         lines[0],
     )
