@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from support.in_place import NormThenReLUInPlace
 from support.multiproc import run_ranks
 from support.resnet import resnet
 from torch import nn
@@ -60,18 +61,6 @@ def test_one_update_from_micro_batch_moments_equals_torch_on_the_whole_batch(
 
 
 # --- a stage's batch norms, in one process ------------------------------------------------------------------------
-
-
-class NormThenReLUInPlace(nn.Module):
-    """A batch norm runs, then the input changes in place: a stage's first forward fails and runs again."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.norm(x * 2)
-        return torch.relu_(x) + normed
 
 
 @dataclass

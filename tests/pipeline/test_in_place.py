@@ -6,24 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.chains import mse
+from support.in_place import NormThenReLUInPlace
 from support.multiproc import run_ranks
 from torch import nn
 
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, PipelineOptions
-
-
-class NormThenReLUInPlace(nn.Module):
-    """A batch norm runs (and moves its statistics), then the input changes in place."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.norm = nn.BatchNorm1d(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = self.norm(x * 2)
-        return torch.relu_(x) + normed
 
 
 def model() -> nn.Sequential:
