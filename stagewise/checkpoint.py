@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stagewise.comm import everyone_agrees
 from stagewise.pipeline import Pipeline
-from stagewise.pipeline.pretrained import SINGLE
+from stagewise.pipeline.pretrained import SavesPretrained, write_weights
 
 log = logging.getLogger(__name__)
 
@@ -407,12 +407,6 @@ ExportFormat = Literal["torch", "safetensors", "hf"]
 """What :func:`export` writes: a ``torch.save`` file, a ``.safetensors`` file, or a Hugging Face folder."""
 
 
-class SavesPretrained(Protocol):
-    """A Hugging Face config (``model.config``): it writes ``config.json`` into a folder."""
-
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
-
-
 def export(
     path: str | Path, out: str | Path, *, format: ExportFormat = "torch", config: SavesPretrained | None = None
 ) -> Path:
@@ -437,16 +431,7 @@ def export(
         raise CheckpointError(f"the checkpoint {path} holds no model entries")
     _load_alone(state, reader)
     plain = {k[len(MODEL) :]: v for k, v in state.items()}
-    target = Path(out)
     if format == "torch":
-        torch.save(plain, target)
-        return target
-    from safetensors.torch import save_file
-
-    if format == "hf":
-        assert config is not None
-        target.mkdir(parents=True, exist_ok=True)
-        config.save_pretrained(target)
-        target = target / SINGLE
-    save_file({k: v.contiguous() for k, v in plain.items()}, str(target), metadata={"format": "pt"})
-    return Path(out)
+        torch.save(plain, out)
+        return Path(out)
+    return write_weights(plain, out, config=config if format == "hf" else None)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stagewise.partition.graph import Cut, SegmentGraph, only_dropout_depends_on_the_mode, variant
+from stagewise.partition.graph import SegmentGraph
+from stagewise.partition.graph_variant import Cut, only_dropout_depends_on_the_mode, variant
 from stagewise.partition.layers import Payload
 
 

@@ -1,13 +1,15 @@
-"""Pretrained weights read per stage: each rank reads only its own tensors from safetensors files."""
+"""Pretrained weights in safetensors: read per stage (each rank reads only its own tensors), and written back as a
+file or a folder that ``from_pretrained`` loads."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -164,3 +166,23 @@ def load_pretrained(pipe: Pipeline, path: str | Path, *, strict: bool = True) ->
     names = tuple(sorted(n for source in sources for n in source.names))
     log.info("read %d tensors (%d bytes) from %d files at %s", len(sources), read, len(by_file), path)
     return PretrainedLoad(names, read, tuple(sorted(by_file)))
+
+
+class SavesPretrained(Protocol):
+    """A Hugging Face config (``model.config``): it writes ``config.json`` into a folder."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> object: ...
+
+
+def write_weights(state: Mapping[str, torch.Tensor], out: str | Path, *, config: SavesPretrained | None = None) -> Path:
+    """Write ``state`` as one ``.safetensors`` file at ``out``; with ``config``, ``out`` is a folder that
+    ``from_pretrained`` loads: ``config.json`` and ``model.safetensors``. Returns ``out``."""
+    from safetensors.torch import save_file
+
+    target = Path(out)
+    if config is not None:
+        target.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(target)
+        target = target / SINGLE
+    save_file({k: v.contiguous() for k, v in state.items()}, str(target), metadata={"format": "pt"})
+    return Path(out)
