@@ -92,11 +92,11 @@ def initialise(
     """
     chosen = [sub for sub in module.modules() if only is None or id(sub) in only]
     exempt = {id(t) for name, t in module.named_parameters(remove_duplicate=False) if name in given}
+    held = {id(t) for sub in chosen for t in (*sub.parameters(recurse=False), *sub.buffers(recurse=False))}
     mine = [
         (name, t)
         for name, t in (*module.named_parameters(), *module.named_buffers())
-        if any(t is own for sub in chosen for own in (*sub.parameters(False), *sub.buffers(False)))
-        and (fresh is None or id(t) in fresh)
+        if id(t) in held and (fresh is None or id(t) in fresh)
     ]
     with torch.no_grad():
         for _, tensor in mine:
