@@ -134,6 +134,10 @@ def failures_of(err: ChildFailedError, log_dir: Path, layout: Layout | None = No
         if layout is not None and 0 <= rank < layout.world_size:
             place = layout.coords(rank)
             where = f"stage {place.stage}, replica {place.replica}"
+            if layout.fsdp > 1:
+                where += f", shard {place.shard}"
+            if layout.tp > 1:
+                where += f", tp rank {place.tp_rank}"
         exitcode = None if rank in stopped else failure.exitcode
         if exitcode is not None and exitcode < 0 and not text:
             text = f"killed by signal {-exitcode}"

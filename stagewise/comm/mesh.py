@@ -1,4 +1,4 @@
-"""init_mesh(): the process group and a ("pp", "dp") DeviceMesh, with each rank's stage and replica."""
+"""init_mesh(): the process group and a ("pp", "dp", "fsdp", "tp") DeviceMesh, with each rank's place in it."""
 
 from __future__ import annotations
 
@@ -30,60 +30,118 @@ def _check_dim(name: str, value: object) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+DIMENSIONS = ("pp", "dp", "fsdp", "tp")
+"""The mesh's dimensions, outermost first: pipeline stages, data-parallel replicas, fully-sharded data
+parallelism within a replica, tensor parallelism within a layer (innermost, so its group stays within a node)."""
+
+
 @dataclass(frozen=True)
 class Coords:
-    """Where a rank sits: which pipeline stage it runs and which data-parallel replica it belongs to."""
+    """Where a rank sits: its pipeline stage, its data-parallel replica, its shard of the stage's parameters
+    (FSDP) and its slice of each layer (tensor parallelism)."""
 
     stage: int
     replica: int
+    shard: int = 0
+    """Its place among the ranks that shard the stage's parameters (the ``fsdp`` dimension)."""
+    tp_rank: int = 0
+    """Its place among the ranks that split each layer of the stage (the ``tp`` dimension)."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    """The ``pp x dp`` grid of ranks, pipeline outermost: ``rank = stage * dp + replica``."""
+    """The ``pp x dp x fsdp x tp`` grid of ranks, pipeline outermost and tensor parallelism innermost:
+    ``rank = ((stage * dp + replica) * fsdp + shard) * tp + tp_rank``.
+
+    Every rank with the same ``(replica, shard, tp_rank)`` forms one pipeline (a *line*, numbered
+    ``(replica * fsdp + shard) * tp + tp_rank``): activations travel along it. The ``dp x fsdp`` ranks of a
+    stage with the same ``tp_rank`` each take their own share of the global batch; the ``tp`` ranks of a
+    shard take the same share and split each layer.
+    """
 
     pp: int
     """Pipeline stages (the depth of each pipeline)."""
     dp: int
-    """Data-parallel replicas of each stage."""
+    """Data-parallel replicas of each stage: each holds the stage whole (or, with ``fsdp``, sharded)."""
+    fsdp: int = 1
+    """Ranks each replica shards its stages' parameters, gradients and optimizer state over (FSDP)."""
+    tp: int = 1
+    """Ranks each layer's matmuls are split over (tensor parallelism)."""
 
     def __post_init__(self) -> None:
-        _check_dim("pp", self.pp)
-        _check_dim("dp", self.dp)
+        for name in DIMENSIONS:
+            _check_dim(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp
+        return self.pp * self.dp * self.fsdp * self.tp
+
+    @property
+    def lines(self) -> int:
+        """Pipelines: the ranks of each stage, ``dp * fsdp * tp``."""
+        return self.dp * self.fsdp * self.tp
+
+    @property
+    def batch_shards(self) -> int:
+        """Ranks of a stage that each take their own share of the global batch: ``dp * fsdp``."""
+        return self.dp * self.fsdp
+
+    def describe(self) -> str:
+        """``pp=2 x dp=1 x fsdp=2 x tp=1``, or ``pp=2 x dp=2`` when nothing is sharded."""
+        names = DIMENSIONS if self.fsdp * self.tp > 1 else DIMENSIONS[:2]
+        return " x ".join(f"{name}={getattr(self, name)}" for name in names)
 
     def coords(self, rank: int) -> Coords:
-        """The stage and replica of global ``rank``."""
+        """The place of global ``rank``."""
         if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a pp={self.pp} x dp={self.dp} mesh of {self.world_size}")
-        return Coords(stage=rank // self.dp, replica=rank % self.dp)
+            raise ValueError(f"rank {rank} is outside a {self.describe()} mesh of {self.world_size}")
+        rest, tp_rank = divmod(rank, self.tp)
+        rest, shard = divmod(rest, self.fsdp)
+        stage, replica = divmod(rest, self.dp)
+        return Coords(stage=stage, replica=replica, shard=shard, tp_rank=tp_rank)
 
-    def rank(self, stage: int, replica: int) -> int:
-        """The global rank running ``stage`` in ``replica``."""
-        if not (0 <= stage < self.pp and 0 <= replica < self.dp):
-            raise ValueError(f"(stage {stage}, replica {replica}) is outside a pp={self.pp} x dp={self.dp} mesh")
-        return stage * self.dp + replica
+    def rank(self, stage: int, replica: int, shard: int = 0, tp_rank: int = 0) -> int:
+        """The global rank at ``(stage, replica, shard, tp_rank)``."""
+        if not (0 <= stage < self.pp and 0 <= replica < self.dp and 0 <= shard < self.fsdp and 0 <= tp_rank < self.tp):
+            where = f"(stage {stage}, replica {replica}" + (
+                f", shard {shard}, tp rank {tp_rank})" if self.fsdp * self.tp > 1 else ")"
+            )
+            raise ValueError(f"{where} is outside a {self.describe()} mesh")
+        return ((stage * self.dp + replica) * self.fsdp + shard) * self.tp + tp_rank
+
+    def line(self, rank: int) -> int:
+        """The pipeline ``rank`` belongs to, ``0 .. lines - 1`` (its replica when nothing is sharded)."""
+        self.coords(rank)
+        return rank % self.lines
+
+    def at(self, stage: int, line: int) -> int:
+        """The global rank running ``stage`` in pipeline ``line``."""
+        if not (0 <= stage < self.pp and 0 <= line < self.lines):
+            raise ValueError(f"(stage {stage}, pipeline {line}) is outside a {self.describe()} mesh")
+        return stage * self.lines + line
+
+    def batch_index(self, rank: int) -> int:
+        """Which of the :attr:`batch_shards` shares of the global batch ``rank`` takes."""
+        c = self.coords(rank)
+        return c.replica * self.fsdp + c.shard
 
     def next_rank(self, rank: int) -> int | None:
-        """The rank of the next stage in the same replica, or None on the last stage."""
+        """The rank of the next stage in the same pipeline, or None on the last stage."""
         c = self.coords(rank)
-        return self.rank(c.stage + 1, c.replica) if c.stage + 1 < self.pp else None
+        return rank + self.lines if c.stage + 1 < self.pp else None
 
     def prev_rank(self, rank: int) -> int | None:
-        """The rank of the previous stage in the same replica, or None on the first stage."""
+        """The rank of the previous stage in the same pipeline, or None on the first stage."""
         c = self.coords(rank)
-        return self.rank(c.stage - 1, c.replica) if c.stage > 0 else None
+        return rank - self.lines if c.stage > 0 else None
 
-    def pipeline_ranks(self, replica: int) -> tuple[int, ...]:
-        """The ranks of one pipeline, stage 0 first."""
-        return tuple(self.rank(s, replica) for s in range(self.pp))
+    def pipeline_ranks(self, line: int) -> tuple[int, ...]:
+        """The ranks of pipeline ``line``, stage 0 first."""
+        return tuple(self.at(s, line) for s in range(self.pp))
 
-    def replica_ranks(self, stage: int) -> tuple[int, ...]:
-        """The ranks holding copies of one stage: its data-parallel group."""
-        return tuple(self.rank(stage, r) for r in range(self.dp))
+    def replica_ranks(self, stage: int, shard: int = 0, tp_rank: int = 0) -> tuple[int, ...]:
+        """The ranks holding copies of one stage's shard: its data-parallel group."""
+        return tuple(self.rank(stage, r, shard, tp_rank) for r in range(self.dp))
 
 
 @dataclass(frozen=True)
@@ -91,7 +149,7 @@ class PipelineMesh:
     """This process's place in the job: the DeviceMesh, the layout, its device and backend."""
 
     device_mesh: DeviceMesh
-    """Dimensions ("pp", "dp"), pipeline outermost."""
+    """Dimensions ("pp", "dp", "fsdp", "tp"), pipeline outermost."""
     layout: Layout
     rank: int
     """This process's global rank."""
@@ -100,6 +158,8 @@ class PipelineMesh:
     backend: Backend
     timeout: float
     """Seconds: the bound on every collective and point-to-point wait (see :mod:`stagewise.comm.timeouts`)."""
+    batch_group: dist.ProcessGroup
+    """The ``dp x fsdp`` ranks of this rank's stage with its ``tp_rank``: each takes its own share of the batch."""
 
     @property
     def coords(self) -> Coords:
@@ -114,6 +174,16 @@ class PipelineMesh:
         return self.coords.replica
 
     @property
+    def line(self) -> int:
+        """The pipeline this rank belongs to (its replica when nothing is sharded)."""
+        return self.layout.line(self.rank)
+
+    @property
+    def batch_index(self) -> int:
+        """Which share of the global batch this rank's pipeline takes (see :attr:`Layout.batch_shards`)."""
+        return self.layout.batch_index(self.rank)
+
+    @property
     def prev_rank(self) -> int | None:
         return self.layout.prev_rank(self.rank)
 
@@ -124,31 +194,55 @@ class PipelineMesh:
     def close(self) -> None:
         """Destroy the mesh's own groups (a dimension that spans the world may use the default group, which
         stays); their threads and sockets go when the mesh itself does. Closing again does nothing."""
-        for name in ("pp", "dp"):
+        groups = []
+        for name in DIMENSIONS:
             try:
-                group = self.device_mesh.get_group(name)
+                groups.append(self.device_mesh.get_group(name))
             except RuntimeError:  # destroyed by an earlier close: torch no longer resolves its name
                 continue
-            if group is not dist.group.WORLD:
+        groups.append(self.batch_group)
+        done: set[int] = set()
+        for group in groups:
+            if group is dist.group.WORLD or id(group) in done:
+                continue
+            done.add(id(group))
+            try:
                 dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # destroyed already (the batch group may be the dp group)
+                continue
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
-        """This rank's pipeline: the ranks of its replica, one per stage."""
+        """This rank's pipeline: the ranks of its line, one per stage."""
         return self.device_mesh.get_group("pp")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        """This rank's data-parallel group: the replicas of its stage."""
+        """This rank's data-parallel group: the replicas of its stage's shard."""
         return self.device_mesh.get_group("dp")
+
+    @property
+    def fsdp_group(self) -> dist.ProcessGroup:
+        """The ranks of this replica that shard its stage's parameters with it."""
+        return self.device_mesh.get_group("fsdp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        """The ranks that split each layer of its stage with it."""
+        return self.device_mesh.get_group("tp")
 
     def describe(self) -> str:
         """One line: backend, devices found, layout, and this rank's place."""
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        c = self.coords
+        place = f"stage {c.stage}, replica {c.replica}"
+        if self.layout.fsdp > 1:
+            place += f", shard {c.shard}"
+        if self.layout.tp > 1:
+            place += f", tp rank {c.tp_rank}"
         return (
-            f"backend {self.backend}, {gpus} CUDA device(s) found, pp={self.layout.pp} x dp={self.layout.dp} "
-            f"on {self.layout.world_size} processes; rank {self.rank} is stage {self.stage}, "
-            f"replica {self.replica}, on {self.device}"
+            f"backend {self.backend}, {gpus} CUDA device(s) found, {self.layout.describe()} on "
+            f"{self.layout.world_size} processes; rank {self.rank} is {place}, on {self.device}"
         )
 
 
@@ -184,22 +278,33 @@ def choose_backend(local_world_size: int) -> Backend:
     return "gloo"
 
 
-def _fill(pp: int | None, dp: int | None, world: int) -> Layout:
-    """The layout for ``world`` processes, a ``None`` dimension being the world size over the other."""
-    if pp is None and dp is None:
-        return Layout(world, 1)
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fill(pp: int | None, dp: int | None, world: int, fsdp: int, tp: int) -> Layout:
+    """The layout for ``world`` processes, a ``None`` one of ``pp`` and ``dp`` being the world size over the
+    other dimensions (both None: one pipeline over what ``fsdp x tp`` leaves)."""
+    _check_dim("fsdp", fsdp)
+    _check_dim("tp", tp)
+    inner = fsdp * tp
     if pp is not None and dp is not None:
-        return Layout(pp, dp)
+        return Layout(pp, dp, fsdp, tp)
+    if pp is None and dp is None:
+        dp = 1
     name, other, given = ("pp", "dp", pp) if dp is None else ("dp", "pp", dp)
     assert given is not None
     _check_dim(name, given)
-    if world % given:
-        divisors = [d for d in range(1, world + 1) if world % d == 0]
+    if world % (given * inner):
+        fits = [d for d in _divisors(world) if world % (d * inner) == 0] if world % inner == 0 else []
+        sharded = f" x fsdp={fsdp} x tp={tp}" if inner > 1 else ""
+        fix = f"choose {name} among {fits}" if fits else f"choose fsdp x tp among the divisors {_divisors(world)}"
         raise ValueError(
-            f"{name}={given} does not divide the world size {world}, so no {other} fits; "
-            f"choose {name} among {divisors}, or launch a multiple of {given} processes"
+            f"{name}={given}{sharded} does not divide the world size {world}, so no {other} fits; "
+            f"{fix}, or launch a multiple of {given * inner} processes"
         )
-    return Layout(given, world // given) if name == "pp" else Layout(world // given, given)
+    rest = world // (given * inner)
+    return Layout(given, rest, fsdp, tp) if name == "pp" else Layout(rest, given, fsdp, tp)
 
 
 def _world() -> dist.ProcessGroup:
@@ -208,25 +313,42 @@ def _world() -> dist.ProcessGroup:
     return group
 
 
-def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: float, *, world: bool) -> DeviceMesh:
-    """The ("pp", "dp") DeviceMesh over groups whose waits are bounded by ``wait`` seconds.
+@dataclass(frozen=True)
+class _Groups:
+    mesh: DeviceMesh
+    batch: dist.ProcessGroup
+
+
+def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: float, *, world: bool) -> _Groups:
+    """The ("pp", "dp", "fsdp", "tp") DeviceMesh over groups whose waits are bounded by ``wait`` seconds, and the
+    group of each stage's ``dp x fsdp`` ranks that take their own shares of the batch.
 
     ``init_device_mesh`` gives a dimension that is not the whole world a group with torch's default timeout
-    (30 minutes), so its collectives (the loss broadcast, DDP's all-reduce) would not time out when the
-    transfers do; the groups are made here, collectively, with the mesh's own.
+    (30 minutes), so its collectives (the loss broadcast, DDP's all-reduce, FSDP's all-gather) would not time
+    out when the transfers do; the groups are made here, collectively, with the mesh's own.
     """
-    grid = torch.arange(layout.world_size).reshape(layout.pp, layout.dp)
+    shape = tuple(getattr(layout, name) for name in DIMENSIONS)
+    grid = torch.arange(layout.world_size).reshape(shape)
     rank = dist.get_rank()
-    mine: list[dist.ProcessGroup] = []
-    for lines in (grid.T.tolist(), grid.tolist()):  # each replica's pipeline, then each stage's replicas
+
+    def group_of(lines: list[list[int]]) -> dist.ProcessGroup:
         if world and len(lines) == 1:  # the whole world: the default group, made with the same bound
-            mine.append(_world())
-            continue
+            return _world()
+        found: dist.ProcessGroup | None = None
         for ranks in lines:  # every rank makes every group, in the same order
             group = dist.new_group(ranks, timeout=timedelta(seconds=wait), backend=backend)
             if rank in ranks:
-                mine.append(group)
-    return DeviceMesh.from_group(mine, device.type, mesh=grid, mesh_dim_names=("pp", "dp"))
+                found = group
+        assert found is not None  # every rank lies on one line of each dimension
+        return found
+
+    mine = [group_of(grid.movedim(d, -1).reshape(-1, shape[d]).tolist()) for d in range(len(DIMENSIONS))]
+    mesh = DeviceMesh.from_group(mine, device.type, mesh=grid, mesh_dim_names=DIMENSIONS)
+    if layout.fsdp == 1:
+        batch = mine[1]  # the dp group itself
+    else:  # the ranks of a stage with one tp rank: grid[s, :, :, t]
+        batch = group_of(grid.permute(0, 3, 1, 2).reshape(-1, layout.batch_shards).tolist())
+    return _Groups(mesh, batch)
 
 
 def _joined() -> tuple[int, int]:
@@ -243,13 +365,14 @@ def _joined() -> tuple[int, int]:
     return _env_int("WORLD_SIZE"), _env_int("RANK")
 
 
-def _layout(pp: int | None, dp: int | None, world: int) -> Layout:
-    """The ``pp x dp`` layout of ``world`` processes (see :func:`_fill`), refused unless it covers them all."""
-    layout = _fill(pp, dp, world)
+def _layout(pp: int | None, dp: int | None, world: int, fsdp: int, tp: int) -> Layout:
+    """The layout of ``world`` processes (see :func:`_fill`), refused unless it covers them all."""
+    layout = _fill(pp, dp, world, fsdp, tp)
     if layout.world_size != world:
+        names = "pp and dp" if layout.fsdp * layout.tp == 1 else "pp, dp, fsdp and tp"
         raise ValueError(
-            f"pp={layout.pp} x dp={layout.dp} = {layout.world_size} processes, but the world size is {world}; "
-            f"choose pp and dp whose product is {world}, or launch {layout.world_size} processes"
+            f"{layout.describe()} = {layout.world_size} processes, but the world size is {world}; "
+            f"choose {names} whose product is {world}, or launch {layout.world_size} processes"
         )
     return layout
 
@@ -296,6 +419,8 @@ def init_mesh(
     pp: int | None = None,
     dp: int | None = 1,
     *,
+    fsdp: int = 1,
+    tp: int = 1,
     backend: Backend | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> PipelineMesh:
@@ -305,10 +430,14 @@ def init_mesh(
     MASTER_PORT; initialises the default process group unless it already is;
     picks NCCL when CUDA has a GPU for each local rank (and makes
     ``cuda:LOCAL_RANK`` this process's device), gloo otherwise; and returns
-    the ("pp", "dp") DeviceMesh, pipeline outermost as in torchtitan, so rank
-    ``r`` runs stage ``r // dp`` of replica ``r % dp``. Either of ``pp`` and
-    ``dp`` may be None: it is then the world size divided by the other
-    (``init_mesh()`` alone is one pipeline over all processes).
+    the ("pp", "dp", "fsdp", "tp") DeviceMesh, pipeline outermost and tensor
+    parallelism innermost as in torchtitan (see :class:`Layout`): with
+    ``fsdp = tp = 1``, rank ``r`` runs stage ``r // dp`` of replica ``r % dp``.
+    Either of ``pp`` and ``dp`` may be None: it is then the world size divided
+    by the other dimensions (``init_mesh()`` alone is one pipeline over all
+    processes). ``fsdp`` ranks of each replica shard its stages' parameters
+    (:func:`torch.distributed.fsdp.fully_shard`), and ``tp`` ranks split each
+    layer (tensor parallelism); either may be 1.
 
     ``timeout`` (seconds) bounds every collective of the mesh's groups and,
     when this call initialises the default group, its rendezvous too: every
@@ -316,18 +445,18 @@ def init_mesh(
     bound).
 
     Raises:
-        ValueError: ``pp * dp`` is not the world size, or the environment is incomplete.
+        ValueError: ``pp * dp * fsdp * tp`` is not the world size, or the environment is incomplete.
     """
     seconds = checked_timeout(timeout)
     if backend not in (None, *get_args(Backend)):
         raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
     world, rank = _joined()
-    layout = _layout(pp, dp, world)
+    layout = _layout(pp, dp, world, fsdp, tp)
     chosen, device = _backend_and_device(backend, world)
     made = not dist.is_initialized()
     if made:
         _init_default_group(chosen, device, world, rank, seconds)
-    mesh = _device_mesh(layout, device, chosen, seconds, world=made)
-    result = PipelineMesh(mesh, layout, rank, device, chosen, seconds)
+    groups = _device_mesh(layout, device, chosen, seconds, world=made)
+    result = PipelineMesh(groups.mesh, layout, rank, device, chosen, seconds, groups.batch)
     log.info("%s", result.describe())
     return result

@@ -166,8 +166,8 @@ class StageLoader:
         return cls(
             dataset,
             global_batch_size=global_batch_size,
-            dp=mesh.layout.dp,
-            replica=mesh.replica,
+            dp=mesh.layout.batch_shards,
+            replica=mesh.batch_index,
             first=pipe.is_first,
             last=pipe.is_last,
             n_microbatches=pipe.n_microbatches,

@@ -62,8 +62,8 @@ def share_loss(
     device = mesh.device
     loss = (loss if loss is not None else torch.zeros((), device=device)).detach().to(device, torch.float32)
     smallest = largest = 0
-    if mesh.rank == last and mesh.layout.dp > 1:
-        group = mesh.dp_group
+    if mesh.rank == last and mesh.layout.batch_shards > 1:
+        group = mesh.batch_group
         peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
         what = "the all-gather of the replicas' losses"
         with named_collective(rank=mesh.rank, peer=peer, what=what, timeout=sharing.timeout):

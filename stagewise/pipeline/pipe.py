@@ -206,7 +206,7 @@ class Pipeline(HeldStages):
         self.ties = Ties(layers, self._shared, self.partition, plan, self.mesh, timeout=timeout)
         undo.callback(_quietly, self.ties.close)
         self.ties.synchronise()
-        peers = self.mesh.layout.pipeline_ranks(self.mesh.replica)
+        peers = self.mesh.layout.pipeline_ranks(self.mesh.line)
         # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
         # Two streams, activations and gradients (executor.ACTIVATIONS, GRADIENTS); what one rank tells the
         # others (loss_sharing) travels by Transport.broadcast_along, which needs no stream of ours.
@@ -384,7 +384,7 @@ class Pipeline(HeldStages):
         """The global batch's loss on every rank (see :func:`share_loss`), from the last stage's ``loss`` on its
         ``targets`` (None elsewhere); keeps this replica's first bad micro-batch in :attr:`_bad_microbatch`. A
         token mean over no valid tokens is refused here, on every rank."""
-        last = self.mesh.layout.rank(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.replica)
+        last = self.mesh.layout.at(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.line)
         samples, tokens = (sum(targets.sizes), targets.tokens) if targets is not None else (0, -1)
         shared = share_loss(
             loss, samples, sharing=self._sharing, last=last, mean=self.loss_reduction == "mean",
@@ -433,7 +433,7 @@ class Pipeline(HeldStages):
             if samples == 0:
                 raise ValueError("the inputs have no samples (a batch of 0); give at least one")
             count = min(count, samples)
-        first = self.mesh.layout.rank(0, self.mesh.replica)
+        first = self.mesh.layout.at(0, self.mesh.line)
         count = share_count(count, sharing=self._sharing, first=first)
         return (None if payload is None else split(payload, count, what="inputs")), count
 

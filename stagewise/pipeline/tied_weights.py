@@ -92,10 +92,10 @@ class Ties:
                 continue
             mine: dist.ProcessGroup | None = None
             source = -1
-            for replica in range(mesh.layout.dp):  # every rank creates every group, in the same order
-                ranks = [mesh.layout.rank(p, replica) for p in ordered]
+            for line in range(mesh.layout.lines):  # every rank creates every group, in the same order
+                ranks = [mesh.layout.at(p, line) for p in ordered]
                 group = dist.new_group(sorted(ranks), timeout=timedelta(seconds=timeout))
-                if replica == mesh.replica:
+                if line == mesh.line:
                     mine, source = group, ranks[0]
             k = next((k for k, i in enumerate(tie.indices) if partition.stage_of(i) in held), None)
             if k is None or mine is None:

@@ -33,12 +33,12 @@ def valid_tokens(targets: Payload, ignore_index: int) -> int:
 
 
 def global_tokens(count: int, *, mesh: PipelineMesh, timeout: float) -> int:
-    """``count`` summed over the replicas of this rank's stage (an all-reduce over its data-parallel group, which
+    """``count`` summed over the replicas of this rank's stage (an all-reduce over its batch group, ``dp x fsdp``, which
     every replica's last stage joins); ``count`` itself without replicas. A replica that does not join within
     ``timeout`` seconds (the group's bound) raises a :class:`~stagewise.comm.CommError` naming this all-reduce."""
-    if mesh.layout.dp == 1:
+    if mesh.layout.batch_shards == 1:
         return count
-    group = mesh.dp_group
+    group = mesh.batch_group
     peer = next(r for r in dist.get_process_group_ranks(group) if r != mesh.rank)
     total = torch.tensor([count], dtype=torch.int64, device=mesh.device)
     what = "the all-reduce of the replicas' valid target tokens"
