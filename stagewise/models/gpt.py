@@ -113,6 +113,7 @@ class Block(nn.Module):
         super().__init__()
         d = config.d_model
         self.n_heads = config.n_heads
+        self.head_dim = d // config.n_heads
         self.attn_norm = nn.LayerNorm(d, device=device)
         self.qkv = nn.Linear(d, 3 * d, device=device)
         self.proj = nn.Linear(d, d, device=device)
@@ -121,12 +122,12 @@ class Block(nn.Module):
         self.out = nn.Linear(config.hidden, d, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).split(d, dim=-1)
-        heads = (b, t, self.n_heads, d // self.n_heads)
-        q, k, v = (z.view(heads).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # qkv's outputs are head by head (each head's q, k and v together), so a split of its columns over
+        # tensor-parallel ranks gives each rank whole heads: -1 is the heads this rank computes.
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(attn.transpose(1, 2).flatten(2))
         out: torch.Tensor = x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
         return out
 

@@ -15,6 +15,7 @@ from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.materialise import Initialiser
 from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite
+from stagewise.pipeline.tensor_parallel import TensorParallelPlan
 from stagewise.schedule.actions import Schedule
 from stagewise.schedule.builders import ScheduleName, build
 from stagewise.schedule.validate import validate
@@ -48,6 +49,32 @@ class DataParallel:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         if self.comm_hook is not None and not callable(self.comm_hook):
             raise TypeError(f"comm_hook must be callable, got {type(self.comm_hook).__name__}")
+
+
+@dataclass(frozen=True)
+class FullySharded:
+    """How each stage's parameters are sharded over the mesh's ``fsdp`` ranks (torch's ``fully_shard``, FSDP2).
+
+    Used by :class:`stagewise.Pipeline` when its mesh has ``fsdp > 1`` (and ``dp > 1`` with it: HSDP, sharded
+    within a replica and all-reduced across replicas), or ``tp > 1`` with ``dp > 1``; passed with ``fsdp == 1``
+    the stages are wrapped all the same (one rank's mixed precision through FSDP's policy). Each stage is one
+    FSDP unit. Its parameters are all-gathered once per step, before its first forward, and stay whole until
+    the step's end, when the gradients accumulated over every micro-batch are reduce-scattered once; between
+    steps a rank holds ``1/fsdp`` of its stages' parameters, gradients and optimizer state.
+    """
+
+    param_dtype: torch.dtype | None = None
+    """The dtype the stages compute in (their parameters are all-gathered in it, e.g. ``torch.bfloat16``); the
+    sharded parameters, which the optimizer steps, keep theirs (fp32 master weights). None: their own dtype."""
+    reduce_dtype: torch.dtype | None = None
+    """The dtype gradients are accumulated and reduce-scattered in (e.g. ``torch.float32`` with bf16
+    parameters); None: ``param_dtype``."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise TypeError(f"FullySharded.{name} must be a floating torch.dtype or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,13 @@ class PipelineOptions:
     there is no fusion: DDP learns from those hooks which parameters each replica used."""
     data_parallel: DataParallel | None = None
     """DDP's options for the replicas of each stage when the mesh has ``dp > 1``; None: ``DataParallel()``."""
+    fully_sharded: FullySharded | None = None
+    """How stages are sharded over the mesh's ``fsdp`` ranks; None: ``FullySharded()`` where the mesh shards them
+    (``fsdp > 1``), else not at all."""
+    tensor_parallel: TensorParallelPlan | None = None
+    """Which modules of each layer are split over the mesh's ``tp`` ranks, and how (a
+    :data:`~stagewise.pipeline.tensor_parallel.TensorParallelPlan`, e.g. :func:`stagewise.models.gpt_parallel.plan`
+    for stagewise's GPT); needed when the mesh has ``tp > 1``."""
     batch_norm: BatchNormStatistics = "auto"
     """Which batch moves the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)
     of the model's batch norms (every ``torch.nn.modules.batchnorm._BatchNorm`` that tracks them) in training.
@@ -178,6 +212,13 @@ class PipelineOptions:
             )
         if self.data_parallel is not None:
             _instance("data_parallel", self.data_parallel, DataParallel)
+        if self.fully_sharded is not None:
+            _instance("fully_sharded", self.fully_sharded, FullySharded)
+        if self.tensor_parallel is not None and not callable(self.tensor_parallel):
+            raise TypeError(
+                f"PipelineOptions.tensor_parallel must be callable (a layer's module to its plan), got "
+                f"{type(self.tensor_parallel).__name__}"
+            )
         if self.batch_norm not in CHOICES:
             raise ValueError(
                 f"PipelineOptions.batch_norm must be one of {', '.join(map(repr, CHOICES))}, got {self.batch_norm!r}"

@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from stagewise.comm import Payload, PipelineMesh, Transport, as_tensors, init_mesh
+from stagewise.comm import Layout, Payload, PipelineMesh, Transport, as_tensors, init_mesh
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shared_parameters
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
 from stagewise.pipeline.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
-from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
+from stagewise.pipeline.clip import Counting, clip_grad_norm_, held_copies
+from stagewise.pipeline.config import DataParallel, FullySharded, PipelineOptions, checked_schedule
 from stagewise.pipeline.data_parallel import Replicas
 from stagewise.pipeline.executor import Executor, StepResult
+from stagewise.pipeline.fully_sharded import ShardedStages
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.loss_sharing import Sharing, share_count, share_loss
 from stagewise.pipeline.materialise import Materialising, initialiser_of
@@ -27,6 +30,7 @@ from stagewise.pipeline.microbatch import LossFn, LossReduction, Microbatches, b
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_finite, skipped_step
 from stagewise.pipeline.parameters import HeldStages
 from stagewise.pipeline.stage import own_stages
+from stagewise.pipeline.tensor_parallel import parallelize
 from stagewise.pipeline.tied_weights import Ties
 from stagewise.pipeline.tokens import check_tokens, global_tokens, per_token, valid_tokens
 from stagewise.schedule.actions import Action, Kind, Schedule
@@ -44,15 +48,34 @@ def _quietly(close: Callable[..., None], **options: bool) -> None:
         log.warning("closing after a failed Pipeline construction failed too: %s", err)
 
 
-def _fusion_in_effect(options: PipelineOptions, dp: int) -> WeightGradientFusion | None:
-    """``options``' weight-gradient fusion, or None where replicas must find unused parameters: DDP learns which
-    parameters a replica used from their gradient hooks, which fused backwards skip."""
+def _fusion_in_effect(options: PipelineOptions, layout: Layout) -> WeightGradientFusion | None:
+    """``options``' weight-gradient fusion, or None where replicas must find unused parameters (DDP learns which
+    parameters a replica used from their gradient hooks, which fused backwards skip) or parameters are sharded
+    (FSDP's whole parameters and tensor parallelism's DTensors are not a fused op's to write)."""
     ddp, fusion = options.data_parallel, options.fuse_weight_gradients
-    if dp > 1 and ddp is not None and ddp.find_unused_parameters:
+    if fusion is not None and (_fully_sharded(options, layout) is not None or layout.tp > 1):
+        log.info("sharded stages: gradient accumulation left to autograd (no fusion)")
+        return None
+    if layout.dp > 1 and ddp is not None and ddp.find_unused_parameters:
         if fusion is not None:
             log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
         return None
     return fusion
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None  # a pipeline's mesh initialised it
+    return group
+
+
+def _fully_sharded(options: PipelineOptions, layout: Layout) -> FullySharded | None:
+    """How stages are sharded: ``options.fully_sharded`` where given, ``FullySharded()`` where the mesh shards
+    (``fsdp > 1``) or replicates tensor-parallel stages (``tp > 1`` with ``dp > 1``: DDP does not take DTensors,
+    FSDP's HSDP over a shard of one does the replicas' all-reduce); else None."""
+    if options.fully_sharded is not None:
+        return options.fully_sharded
+    return FullySharded() if layout.fsdp > 1 or (layout.tp > 1 and layout.dp > 1) else None
 
 
 class Pipeline(HeldStages):
@@ -183,7 +206,7 @@ class Pipeline(HeldStages):
                 f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
                 f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
             )
-        self.fusion = _fusion_in_effect(options, self.mesh.layout.dp)
+        self.fusion = _fusion_in_effect(options, self.mesh.layout)
         """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
         self.device = torch.device(options.device) if options.device is not None else self.mesh.device
         self.position = self.mesh.stage
@@ -198,6 +221,20 @@ class Pipeline(HeldStages):
         self.batch_norm: StatisticsSource = statistics_source(options.batch_norm, layers, self.n_microbatches)
         """Which batch moves the running statistics of the model's batch norms: ``options.batch_norm``, "auto"
         resolved for this model."""
+        self.tensor_parallel: list[str] = []
+        """The layers this rank's stages split over the mesh's ``tp`` ranks (see :mod:`.tensor_parallel`)."""
+        if self.mesh.layout.tp > 1:
+            for stage in self.stages.values():
+                self.tensor_parallel += parallelize(
+                    list(stage.layers), stage.names, self.mesh.device_mesh["tp"], options.tensor_parallel
+                )
+            log.info("layers %s are split over %d tp ranks", self.tensor_parallel, self.mesh.layout.tp)
+        self.sharded: ShardedStages | None = None
+        """This rank's stages sharded by FSDP (see :class:`ShardedStages`); None: whole on every rank."""
+        sharding = _fully_sharded(options, self.mesh.layout)
+        if sharding is not None:
+            names = ("dp", "fsdp") if self.mesh.layout.dp > 1 else ("fsdp",)
+            self.sharded = ShardedStages(self.stages, self.mesh.device_mesh[names], sharding, timeout=self.mesh.timeout)
 
     def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
         """The pipeline's links to other ranks, each bounded by :attr:`timeout`: tied copies, the transport,
@@ -215,16 +252,16 @@ class Pipeline(HeldStages):
         self._sharing = Sharing(self.mesh, self.transport, timeout)
         dp = self.mesh.layout.dp
         self.replicas = None
-        if dp > 1:
+        if dp > 1 and self.sharded is None:
             config = self.options.data_parallel if self.options.data_parallel is not None else DataParallel()
             self.replicas = Replicas(
                 self.stages, group=self.mesh.dp_group, device=self.device, config=config, timeout=timeout
             )
         self._norms: DeferredBatchNorm | None = None
         if self.batch_norm != "micro-batch":
-            global_batch = self.batch_norm == "global-batch" and dp > 1
+            global_batch = self.batch_norm == "global-batch" and self.mesh.layout.batch_shards > 1
             self._norms = DeferredBatchNorm(
-                self.stages, group=self.mesh.dp_group if global_batch else None, timeout=timeout
+                self.stages, group=self.mesh.batch_group if global_batch else None, timeout=timeout
             )
             for s, norms in self._norms.stages.items():
                 self.stages[s].batch_norms = norms
@@ -236,8 +273,9 @@ class Pipeline(HeldStages):
             self.transport,
             peers,
             replicas=self.replicas,
-            # DDP averages; a sum wants the total, and so does a token mean (divided by the global count already)
-            grad_scale=float(dp) if self.loss_reduction in ("sum", "tokens") else 1.0,
+            # DDP and FSDP average over the batch's shares; a sum wants the total, and so does a token mean (divided
+            # by the global count already)
+            grad_scale=float(self.mesh.layout.batch_shards) if self.loss_reduction in ("sum", "tokens") else 1.0,
             fusion=self.fusion,
         )
 
@@ -328,7 +366,7 @@ class Pipeline(HeldStages):
         before = self.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
         if self._norms is not None:
             self._norms.begin()  # a step that failed before its end moved no statistics, and leaves none behind
-        with torch.enable_grad():
+        with torch.enable_grad(), self._gathered(reduce=True):
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
         self.ties.sum_gradients(before)
         self._record(result)
@@ -408,8 +446,13 @@ class Pipeline(HeldStages):
         """
         mine = list(self.parameters())
         counted = [p for p in mine if self.ties.counted(p)]
+        layout = self.mesh.layout
+        sharded = layout.fsdp * layout.tp > 1 or self.sharded is not None
+        # Sharded: every rank holds a part of the norm, counted once however many ranks hold that part.
+        group = _world() if sharded else self.mesh.pp_group
+        copies = functools.partial(held_copies, ranks_per_stage=layout.lines) if sharded else None
         return clip_grad_norm_(
-            mine, max_norm, norm_type, group=self.mesh.pp_group, counted=counted,
+            mine, max_norm, norm_type, group=group, counting=Counting(counted, copies),
             error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.timeout,
         )  # fmt: skip
 
@@ -441,10 +484,29 @@ class Pipeline(HeldStages):
         """``count`` micro-batches' forwards, without gradients; on the last stage's rank, each one's outputs, or
         with ``targets`` their weighted loss."""
         forward = [Action(s, Kind.F, mb) for mb in range(count) for s in sorted(self.stages)]
-        with torch.no_grad():
+        with torch.no_grad(), self._gathered(reduce=False):
             result = self.executor.run(forward, ins, targets, self.loss_fn if targets else None, training=False)
         self._record(result)
         return result
+
+    @contextmanager
+    def _gathered(self, *, reduce: bool) -> Iterator[None]:
+        """Within, sharded stages hold their whole parameters (gathered once); on leaving, their gradients are
+        reduce-scattered (``reduce``, a training step's end) or dropped (a forward-only pass, or a failure)."""
+        sharded = self.sharded
+        if sharded is None:
+            yield
+            return
+        sharded.gather()
+        try:
+            yield
+        except BaseException:
+            sharded.release()
+            raise
+        if reduce:
+            sharded.reduce()
+        else:
+            sharded.release()
 
     def _record(self, result: StepResult) -> None:
         self.last_result = dataclasses.replace(result, outputs=[])  # the caller's: kept here, they would stay

@@ -102,6 +102,9 @@ class StageModule(nn.Module):
         """Whether the layers change their input in place, so that they run on a copy (None: not known yet)."""
         self._recorder: ParameterUses | None = None
         """Records the uses of parameters outside segments; built once: a stage's parameters are fixed once it runs."""
+        self.compute_dtype: torch.dtype | None = None
+        """Floating-point inputs are cast to this dtype before the layers run (FSDP's mixed precision, whose
+        parameters are gathered in it); None: as they come."""
         self.batch_norms: StageNorms | None = None
         """While set, the stage's batch norms move no running statistics in its forwards: a training forward
         (one with gradients) collects what they normalised, for one update per step (see :class:`StageNorms`)."""
@@ -149,6 +152,10 @@ class StageModule(nn.Module):
             self._run_layers, owners=owners, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor
         )
         items = x if isinstance(x, tuple) else (x,)
+        if self.compute_dtype is not None:
+            dtype = self.compute_dtype
+            items = tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in items)
+            x = items if isinstance(x, tuple) else items[0]
         wanted = any(isinstance(t, torch.Tensor) and t.requires_grad for t in items)
         if self.copies_input is None and torch.is_grad_enabled() and wanted:
             kept = [(b, b.clone()) for b in self.buffers()]

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from stagewise.comm import PipelineMesh, named_collective
 from stagewise.partition import Layer, Partition, SharedParameter
@@ -40,6 +41,13 @@ def retie(layers: Sequence[Layer], shared: Sequence[SharedParameter], held: set[
         for k in mine[1:]:
             other, name = _holder(layers, tie, k)
             setattr(other, name, param)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a sharded DTensor's local shard (a view: writing it writes the DTensor),
+    else ``tensor`` itself. Copies sharded by FSDP or tensor parallelism are sharded alike on every stage that
+    holds one (the same shape over the same mesh dimensions), so their local shards add up as the whole would."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @dataclass
@@ -117,7 +125,7 @@ class Ties:
             for copy in self.copies:
                 what = f"the broadcast of tied parameter {copy.tie.names[0]!r}'s initial value"
                 with named_collective(rank=self.rank, peer=copy.source, what=what, timeout=self.timeout):
-                    dist.broadcast(copy.param.data, src=copy.source, group=copy.group)
+                    dist.broadcast(local(copy.param.data), src=copy.source, group=copy.group)
 
     def set_aside(self) -> list[torch.Tensor | None]:
         """Copy the copies' gradients from before a step, for :meth:`sum_gradients` to leave out of the sum.
@@ -146,7 +154,7 @@ class Ties:
                 param.grad.sub_(earlier)
             what = f"the sum of the gradients of tied parameter {copy.tie.names[0]!r}'s copies"
             with named_collective(rank=self.rank, peer=copy.source, what=what, timeout=self.timeout):
-                dist.all_reduce(param.grad, group=copy.group)
+                dist.all_reduce(local(param.grad), group=copy.group)
             if earlier is not None:
                 param.grad.add_(earlier)
 

@@ -1,0 +1,175 @@
+"""FSDP and tensor parallelism inside stages equal the unsplit model: losses, whole gradients, parameters.
+
+One launch of 4 gloo processes runs every layout (pp2 x fsdp2, pp2 x tp2, fsdp2 x tp2, pp2 x dp2) and
+schedule; each case's outcome comes back on its own, so one failing case fails its own test.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.multiproc import run_ranks
+from torch.distributed.tensor import DTensor
+
+from stagewise.comm import PipelineMesh, init_mesh
+from stagewise.models.gpt import GPT, GPTConfig
+from stagewise.models.gpt_parallel import plan as gpt_plan
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline, PipelineOptions
+
+STEPS = 3
+CLIP = 0.05
+BATCH = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    pp: int
+    dp: int
+    fsdp: int
+    tp: int
+    schedule: str
+    n_microbatches: int
+    tied: bool = True
+    n_virtual: int = 1
+
+    @property
+    def name(self) -> str:
+        layout = f"pp{self.pp}-dp{self.dp}-fsdp{self.fsdp}-tp{self.tp}"
+        return f"{layout}-{self.schedule}-m{self.n_microbatches}{'-tied' if self.tied else ''}"
+
+
+def config(case: Case) -> GPTConfig:
+    return GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=4, n_heads=4, tie_embeddings=case.tied)
+
+
+def model(case: Case) -> GPT:
+    torch.manual_seed(3)
+    return config(case).build()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (BATCH, 8), generator=g)
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
+
+
+def bounds(case: Case) -> tuple[int, ...]:
+    """Stage bounds over the 7 layers: embed, 4 blocks, norm, head."""
+    return {1: (0, 7), 2: (0, 3, 7), 4: (0, 2, 4, 5, 7)}[case.pp * case.n_virtual]
+
+
+def unsplit(case: Case) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    net = model(case)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    losses, norms, grads = [], [], []
+    for ids, targets in batches():
+        opt.zero_grad()
+        loss = GPTConfig.loss(net(ids), targets)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        opt.step()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "params": dict(net.named_parameters(remove_duplicate=False)),
+    }
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+MESHES: dict[tuple[int, ...], PipelineMesh] = {}
+"""One mesh per layout, kept for the job, as a training process keeps its one mesh: a DeviceMesh of the same shape
+built after another was closed would find torch's cached submeshes of the old one."""
+
+
+def train(case: Case) -> dict[str, Any]:
+    layout = (case.pp, case.dp, case.fsdp, case.tp)
+    if layout not in MESHES:
+        MESHES[layout] = init_mesh(case.pp, case.dp, fsdp=case.fsdp, tp=case.tp, timeout=60)
+    mesh = MESHES[layout]
+    pipe = Pipeline(
+        model(case), Partition.from_bounds(bounds(case)), schedule=case.schedule,  # type: ignore[arg-type]
+        n_microbatches=case.n_microbatches, loss_fn=GPTConfig.loss, mesh=mesh,  # type: ignore[arg-type]
+        options=PipelineOptions(n_virtual=case.n_virtual, tensor_parallel=gpt_plan),
+    )  # fmt: skip
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    share = BATCH // mesh.layout.batch_shards
+    mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+    losses, norms, grads = [], [], []
+    for ids, targets in batches():
+        opt.zero_grad()
+        losses.append(pipe.step(ids[mine], targets[mine]).item())
+        grads.append({n: _whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None})
+        norms.append(float(pipe.clip_grad_norm_(CLIP)))
+        opt.step()
+    params = {n: _whole(p) for n, p in pipe.named_parameters()}
+    pipe.close()
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+
+
+def train_all(cases: list[Case]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for case in cases:
+        try:
+            out[case.name] = train(case)
+        except Exception:  # reported by the case's own test
+            out[case.name] = traceback.format_exc()
+    dist.destroy_process_group()
+    return out
+
+
+CASES = [
+    Case(2, 1, 2, 1, "1f1b", 2),
+    Case(2, 1, 2, 1, "zero-bubble", 3),
+    Case(2, 1, 2, 1, "gpipe", 2, tied=False),
+    Case(2, 1, 2, 1, "interleaved-1f1b", 2, n_virtual=2),
+    Case(2, 1, 1, 2, "1f1b", 2),
+    Case(2, 1, 1, 2, "zero-bubble", 2),
+    Case(2, 1, 1, 2, "gpipe", 2, tied=False),
+    Case(1, 1, 2, 2, "1f1b", 2),
+    Case(1, 1, 2, 2, "zero-bubble", 2, tied=False),
+    Case(2, 2, 1, 1, "1f1b", 2),
+    Case(2, 2, 1, 1, "zero-bubble", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[int, dict[str, Any]]:
+    """Every case on one launch of 4 processes: rank -> case name -> its results, or the traceback it raised."""
+    per_rank: dict[int, dict[str, Any]] = run_ranks(train_all, 4, CASES, timeout=400)
+    return per_rank
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_sharded_stages_equal_the_unsplit_model(case: Case, outcomes: dict[int, dict[str, Any]]) -> None:
+    want = unsplit(case)
+    held: set[str] = set()
+    for rank, results in outcomes.items():
+        got = results[case.name]
+        assert not isinstance(got, str), f"rank {rank}: {got}"
+        torch.testing.assert_close(got["losses"], want["losses"], atol=1e-5, rtol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(got["norms"], want["norms"], atol=1e-5, rtol=1e-5, msg=f"rank {rank}")
+        for step in range(STEPS):
+            assert got["grads"][step], f"rank {rank} has no gradients at step {step}"
+            for name, grad in got["grads"][step].items():
+                torch.testing.assert_close(grad, want["grads"][step][name], atol=1e-5, rtol=1e-5, msg=name)
+        for name, param in got["params"].items():
+            torch.testing.assert_close(param, want["params"][name], atol=1e-5, rtol=1e-5, msg=name)
+        held |= set(got["params"])
+    assert held >= set(want["params"]) - {"head.weight"}  # together the ranks hold the whole model
