@@ -70,20 +70,18 @@ class GPTConfig:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-class Table(nn.Module):
-    """A lookup table ``weight[rows, width]``, initialised N(0, 0.02) as in GPT-2 (so a tied LM head starts small)."""
+class Table(nn.Embedding):
+    """A lookup table ``weight[rows, width]``, initialised N(0, 0.02) as in GPT-2 (so a tied LM head starts small).
+
+    An ``nn.Embedding``, so tensor parallelism may split its rows (its vocabulary) as torch's styles split one.
+    """
 
     def __init__(self, rows: int, width: int, *, device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, width, device=device))
-        if not self.weight.is_meta:
-            self.reset_parameters()
+        super().__init__(rows, width, device=device)
 
     def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=0.02)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if not self.weight.is_meta:
+            nn.init.normal_(self.weight, std=0.02)
 
 
 class Embedding(nn.Module):

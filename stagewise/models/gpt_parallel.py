@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from stagewise.models.gpt import Block
+from stagewise.models.gpt import Block, Embedding
 
 
 def _divisors(n: int) -> list[int]:
@@ -28,9 +29,29 @@ def block_plan(block: Block, tp: int) -> dict[str, ParallelStyle]:
     return {"qkv": ColwiseParallel(), "proj": RowwiseParallel(), "fc": ColwiseParallel(), "out": RowwiseParallel()}
 
 
-def plan(module: nn.Module, tp: int) -> Mapping[str, ParallelStyle] | None:
-    """A :data:`~stagewise.pipeline.tensor_parallel.TensorParallelPlan` for :class:`~stagewise.models.gpt.GPT`:
-    blocks split as :func:`block_plan` says; the embedding, the final norm and the LM head stay whole on every
-    rank (replicated: the head computes every logit, so the loss needs no vocabulary-parallel cross-entropy, and
-    a tied embedding and head stay one matrix)."""
-    return block_plan(module, tp) if isinstance(module, Block) else None
+def _vocabulary(rows: int, tp: int) -> None:
+    if rows % tp:
+        raise ValueError(
+            f"tp={tp} does not divide the vocabulary of {rows} tokens, which the token embedding and the LM head "
+            f"split; choose tp among {_divisors(rows)}, or pad the vocabulary to a multiple of {tp}"
+        )
+
+
+def plan(name: str, module: nn.Module, tp: int) -> Mapping[str, ParallelStyle] | ParallelStyle | None:
+    """A :data:`~stagewise.pipeline.tensor_parallel.TensorParallelPlan` for :class:`~stagewise.models.gpt.GPT`.
+
+    Blocks split as :func:`block_plan` says. The vocabulary is split too: the token embedding's rows (each rank
+    looks up the ids in its rows, and the embeddings are all-reduced) and the LM head's (each rank computes its
+    share of the logits, all-gathered into every logit, so the loss is the model's own: no vocabulary-parallel
+    cross-entropy). A tied embedding and head are split alike, so they stay one matrix. The position table and
+    the final norm stay whole on every rank.
+    """
+    if isinstance(module, Block):
+        return block_plan(module, tp)
+    if isinstance(module, Embedding):
+        _vocabulary(module.tokens.num_embeddings, tp)
+        return {"tokens": RowwiseParallel(input_layouts=Replicate())}
+    if name == "head" and isinstance(module, nn.Linear):
+        _vocabulary(module.out_features, tp)
+        return ColwiseParallel(output_layouts=Replicate())
+    return None

@@ -30,8 +30,8 @@ from stagewise.pipeline.microbatch import LossFn, LossReduction, Microbatches, b
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_finite, skipped_step
 from stagewise.pipeline.parameters import HeldStages
 from stagewise.pipeline.stage import own_stages
-from stagewise.pipeline.tensor_parallel import parallelize
-from stagewise.pipeline.tied_weights import Ties
+from stagewise.pipeline.tensor_parallel import parallelize, placed_like_parameters
+from stagewise.pipeline.tied_weights import Ties, retie
 from stagewise.pipeline.tokens import check_tokens, global_tokens, per_token, valid_tokens
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.builders import ScheduleName
@@ -228,6 +228,9 @@ class Pipeline(HeldStages):
                 self.tensor_parallel += parallelize(
                     list(stage.layers), stage.names, self.mesh.device_mesh["tp"], options.tensor_parallel
                 )
+            # A style makes a parameter of its own: layers that share one (a tied embedding and head) share again.
+            bounds = self.partition.bounds
+            retie(layers, self._shared, {i for s in self.stages for i in range(bounds[s], bounds[s + 1])})
             log.info("layers %s are split over %d tp ranks", self.tensor_parallel, self.mesh.layout.tp)
         self.sharded: ShardedStages | None = None
         """This rank's stages sharded by FSDP (see :class:`ShardedStages`); None: whole on every rank."""
@@ -368,6 +371,8 @@ class Pipeline(HeldStages):
             self._norms.begin()  # a step that failed before its end moved no statistics, and leaves none behind
         with torch.enable_grad(), self._gathered(reduce=True):
             result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
+        if self.tensor_parallel:
+            placed_like_parameters(self.parameters())
         self.ties.sum_gradients(before)
         self._record(result)
         self.steps += 1

@@ -4,22 +4,24 @@ DTensor's ``parallelize_module``, from outside the model."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from stagewise.partition import Segment
 
 log = logging.getLogger(__name__)
 
-TensorParallelPlan = Callable[[nn.Module, int], Mapping[str, ParallelStyle] | None]
-"""``plan(module, tp)``: how to split one layer's ``module`` over ``tp`` ranks, as ``parallelize_module`` takes it
-(submodule names relative to the layer, to torch's ``ColwiseParallel``, ``RowwiseParallel``, ...); None leaves the
-layer whole on every ``tp`` rank (replicated: each computes the same). A plan that cannot split the layer over
-``tp`` ranks raises ``ValueError`` saying what would fit. The layers' outputs must be whole (replicated) tensors,
-as a row-wise split's are, since they travel to the next stage as they are."""
+TensorParallelPlan = Callable[[str, nn.Module, int], Mapping[str, ParallelStyle] | ParallelStyle | None]
+"""``plan(name, module, tp)``: how to split the layer ``name`` (as :func:`~stagewise.partition.layers_of` names
+it: ``blocks.3``) over ``tp`` ranks, as ``parallelize_module`` takes it: a style for the layer's ``module``
+itself, or submodule names relative to it mapped to styles (torch's ``ColwiseParallel``, ``RowwiseParallel``,
+...); None leaves the layer whole on every ``tp`` rank (replicated: each computes the same). A plan that cannot
+split the layer over ``tp`` ranks raises ``ValueError`` saying what would fit. The layers' outputs must be whole
+(replicated) tensors, as a row-wise split's are, since they travel to the next stage as they are."""
 
 
 def parallelize(
@@ -41,9 +43,19 @@ def parallelize(
                 f"layer {name} is a captured graph: tensor parallelism splits modules as they are called, and a "
                 "captured model's graph calls its ops directly; train it with tp=1 (fsdp shards it instead)"
             )
-        styles = plan(module, tp)
+        styles = plan(name, module, tp)
         if not styles:
             continue
-        parallelize_module(module, mesh, dict(styles))
+        parallelize_module(module, mesh, styles if isinstance(styles, ParallelStyle) else dict(styles))
         split.append(name)
     return split
+
+
+def placed_like_parameters(params: Iterable[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's placements: DTensor's backward of some ops (a row-split
+    embedding's) leaves a whole (replicated) gradient for a sharded parameter, which the optimizer, tied copies and
+    clipping take shard by shard. Replicated to sharded is a slice: no communication."""
+    for param in params:
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)

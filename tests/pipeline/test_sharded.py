@@ -110,20 +110,42 @@ def train(case: Case) -> dict[str, Any]:
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     share = BATCH // mesh.layout.batch_shards
     mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
-    losses, norms, grads = [], [], []
+    losses, norms, grads, collectives = [], [], [], []
     for ids, targets in batches():
         opt.zero_grad()
+        COUNTS.clear()
         losses.append(pipe.step(ids[mine], targets[mine]).item())
+        collectives.append(dict(COUNTS))
         grads.append({n: _whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None})
         norms.append(float(pipe.clip_grad_norm_(CLIP)))
         opt.step()
     params = {n: _whole(p) for n, p in pipe.named_parameters()}
     pipe.close()
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params}
+    units = len(pipe.sharded.units) if pipe.sharded is not None else 0
+    return {
+        "losses": losses, "norms": norms, "grads": grads, "params": params, "collectives": collectives, "units": units,
+    }  # fmt: skip
+
+
+COUNTS: dict[str, int] = {}
+"""FSDP's all-gathers and reduce-scatters during the current step, by name."""
+
+
+def _counting(name: str) -> None:
+    """Count every call of ``torch.distributed.<name>`` (what FSDP's default collectives call) in ``COUNTS``."""
+    original = getattr(dist, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        COUNTS[name] = COUNTS.get(name, 0) + 1
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counted)
 
 
 def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
+    _counting("all_gather_single")
+    _counting("reduce_scatter_single")
     out: dict[str, Any] = {}
     for case in cases:
         try:
@@ -146,6 +168,8 @@ CASES = [
     Case(1, 1, 2, 2, "zero-bubble", 2, tied=False),
     Case(2, 2, 1, 1, "1f1b", 2),
     Case(2, 2, 1, 1, "zero-bubble", 2),
+    Case(1, 2, 2, 1, "1f1b", 2),  # HSDP: sharded within a replica, all-reduced across the two
+    Case(1, 2, 1, 2, "gpipe", 2),  # tensor parallelism with replicas: HSDP over a shard of one
 ]
 
 
@@ -172,4 +196,11 @@ def test_sharded_stages_equal_the_unsplit_model(case: Case, outcomes: dict[int, 
         for name, param in got["params"].items():
             torch.testing.assert_close(param, want["params"][name], atol=1e-5, rtol=1e-5, msg=name)
         held |= set(got["params"])
+        # FSDP gathered each stage's parameters once a step and reduce-scattered its gradients once, for any m.
+        # (A shard of one, tensor parallelism with replicas, gathers nothing: its replicas all-reduce.)
+        units = got["units"] if case.fsdp > 1 else 0
+        once = {"all_gather_single": units, "reduce_scatter_single": units} if units else {}
+        assert got["collectives"] == [once] * STEPS, f"rank {rank}"
+        sharded = case.fsdp > 1 or (case.tp > 1 and case.dp > 1)
+        assert got["units"] == (case.n_virtual if sharded else 0), f"rank {rank}: one FSDP unit per stage"
     assert held >= set(want["params"]) - {"head.weight"}  # together the ranks hold the whole model
