@@ -21,10 +21,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from stagewise.comm import everyone_agrees
 from stagewise.pipeline import Pipeline
 from stagewise.pipeline.pretrained import SavesPretrained, write_weights
+from stagewise.pipeline.tied_weights import local
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,11 @@ def save(
     on disk, so a save that is cut off leaves the previous checkpoint the
     latest. Keys are the unsplit model's names (``model/blocks.3.fc.weight``,
     ``optim/blocks.3.fc.weight/exp_avg``), so the checkpoint loads into any
-    split. Only the newest ``keep`` checkpoints are kept.
+    split. A parameter sharded by FSDP or tensor parallelism (a DTensor) is
+    written shard by shard, by the ranks that hold it, as the one tensor it is
+    in the unsplit model: a checkpoint saved in one layout loads into any
+    other (``pp x dp x fsdp x tp``), and :func:`export` writes it whole. Only
+    the newest ``keep`` checkpoints are kept.
     """
     root = Path(directory)
     final = root / f"step-{progress.step:08d}"
@@ -214,9 +220,13 @@ def _check_keys(mine: Iterable[str], everything: Iterable[str], stored: Mapping[
         )
 
 
-def _empty_like_stored(meta: Any, key: str, device: torch.device) -> torch.Tensor:
+def _empty_like_stored(meta: Any, key: str, device: torch.device, *, like: torch.Tensor | None = None) -> torch.Tensor:
+    """A buffer for the stored entry ``key``: sharded like ``like`` where that is a DTensor of the same shape (DCP
+    then reads this rank's shard alone), else whole on ``device``."""
     if not isinstance(meta, TensorStorageMetadata):
         raise CheckpointError(f"checkpoint entry {key} is not a tensor")
+    if isinstance(like, DTensor) and tuple(like.shape) == tuple(meta.size):
+        return torch.empty_like(like, dtype=meta.properties.dtype)
     return torch.empty(meta.size, dtype=meta.properties.dtype, device=device)
 
 
@@ -303,16 +313,18 @@ def _reading(
     state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
     ties = _held_ties(pipe, model_state, stored)
     for names in ties:  # each stored name of a tied parameter in a buffer of its own, to compare them
+        held = next(model_state[n] for n in names if n in model_state)
         for name in names:
-            state[MODEL + name] = _empty_like_stored(stored[MODEL + name], MODEL + name, device)
+            state[MODEL + name] = _empty_like_stored(stored[MODEL + name], MODEL + name, device, like=held)
     wanted: dict[nn.Parameter, list[str]] = {}
     if optimizer is not None:
         _check_optimizer(optimizer, reader, stored, path)
         wanted = _optimizer_keys(pipe, stored)
-        for keys in wanted.values():
+        for param, keys in wanted.items():
             for key in keys:
                 scalar = not getattr(stored[key], "size", (0,))  # e.g. Adam's step stays on the CPU
-                state[key] = _empty_like_stored(stored[key], key, torch.device("cpu") if scalar else device)
+                where = torch.device("cpu") if scalar else device
+                state[key] = _empty_like_stored(stored[key], key, where, like=param)
     if PROGRESS not in stored:
         raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
     state[PROGRESS] = _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))
@@ -331,7 +343,11 @@ def _apply(
 ) -> None:
     """Copy what ``read`` holds that was not read in place: tied parameters, optimizer state, the RNG state."""
     state, ties = read.state, read.ties
-    differ = [names for names in ties if not all(torch.equal(state[MODEL + names[0]], state[MODEL + n]) for n in names)]
+    differ = [
+        names
+        for names in ties
+        if not all(torch.equal(local(state[MODEL + names[0]]), local(state[MODEL + n])) for n in names)
+    ]
     if not everyone_agrees(not differ, pipe.device):
         raise CheckpointError(
             f"the checkpoint {path} holds different values for {', '.join(differ[0]) if differ else 'parameters'} "

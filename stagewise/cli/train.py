@@ -34,8 +34,8 @@ TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 IN_RUN_FOLDER = "RUN/checkpoints"
 """--checkpoint-dir's default: ``checkpoints/`` in the run's folder, whichever it is."""
 PLANNED = (
-    "model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size", "activation_checkpointing",
-    "seq_len", "optimizer",
+    "model", "stages", "dp", "fsdp", "tp", "virtual", "schedule", "microbatches", "batch_size",
+    "activation_checkpointing", "seq_len", "optimizer",
 )  # fmt: skip
 """The settings a --plan makes; their flags default to None (given: a value, even the default's)."""
 
@@ -45,7 +45,7 @@ def add(commands: Any) -> None:
         "train",
         help="train a model with a pipeline (the main job)",
         description="Train a model (a preset, or your own) split into pipeline stages. Without torchrun it starts "
-        "stages x dp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
+        "stages x dp x fsdp x tp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
         "under torchrun each process is one rank, so several nodes are plain torchrun.",
     )
     d = DEFAULTS
@@ -58,6 +58,15 @@ def add(commands: Any) -> None:
     p.add_argument("--stages", type=args.positive_int, help=f"pipeline ranks (default {d.stages})")
     p.add_argument("--virtual", type=args.positive_int, help=f"stages per rank, interleaved (default {d.virtual})")
     p.add_argument("--dp", type=args.positive_int, help=f"data-parallel replicas of the pipeline (default {d.dp})")
+    p.add_argument(
+        "--fsdp", type=args.positive_int,
+        help=f"ranks each replica shards its stages' parameters, gradients and optimizer state over (FSDP; default "
+        f"{d.fsdp})",
+    )  # fmt: skip
+    p.add_argument(
+        "--tp", type=args.positive_int,
+        help=f"ranks each layer is split over (tensor parallelism, GPT presets; default {d.tp})",
+    )  # fmt: skip
     p.add_argument("--schedule", choices=get_args(ScheduleName), help=f"pipeline schedule (default {d.schedule})")
     p.add_argument("--microbatches", type=args.positive_int, help=f"micro-batches per step (default {d.microbatches})")
     p.add_argument("--batch-size", type=args.positive_int, help=f"global batch, samples (default {d.batch_size})")
@@ -154,6 +163,7 @@ def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig
 def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     """The settings a plan makes; a flag given with another value than the plan's is refused."""
     planned = {key: chosen[key] for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches")}
+    planned["fsdp"], planned["tp"] = chosen.get("fsdp", 1), chosen.get("tp", 1)  # plans from before they were searched
     planned["batch_size"] = chosen["batch_size"]
     planned["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
     planned["partition"] = tuple(chosen["partition"])
@@ -283,8 +293,17 @@ def crowding(processes: int, cores: int | None = None) -> str | None:
         return None
     return (
         f"{processes} processes share {cores} CPU cores, so each step waits for processes that are not running; "
-        f"at most {cores} processes (--stages x --dp) run at full speed"
+        f"at most {cores} processes (--stages x --dp x --fsdp x --tp) run at full speed"
     )
+
+
+def _layout(config: TrainConfig) -> str:
+    """``2 stages x dp 1``, with ``x fsdp N x tp N`` where they are not 1."""
+    text = f"{config.stages} stages x dp {config.dp}"
+    for name in ("fsdp", "tp"):
+        if getattr(config, name) > 1:
+            text += f" x {name} {getattr(config, name)}"
+    return text
 
 
 def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[int, Summary]:
@@ -305,7 +324,7 @@ def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[in
             device="auto" if gpus >= config.world_size else "cpu",
             tee=False,
             max_restarts=ns.max_restarts,
-            layout=Layout(config.stages, config.dp),
+            layout=Layout(config.stages, config.dp, config.fsdp, config.tp),
             pin_cores=ns.pin_cores,
             pass_stop_signals=True,
         )
@@ -326,8 +345,8 @@ def run(ns: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     else:
-        print(f"stagewise train: {config.world_size} local processes ({config.stages} stages x dp {config.dp}), "
-              f"run folder {out}", flush=True)  # fmt: skip
+        print(f"stagewise train: {config.world_size} local processes ({_layout(config)}), run folder {out}",
+              flush=True)  # fmt: skip
         crowded = crowding(config.world_size)
         if crowded is not None and not torch.cuda.is_available():
             print(f"stagewise train: warning: {crowded}", file=sys.stderr, flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 if TYPE_CHECKING:
     from stagewise.pipeline.pipe import Pipeline
@@ -81,8 +82,9 @@ def weight_files(path: str | Path) -> dict[str, Path]:
 def _ties(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """The names of ``state`` grouped by the tensor they name: a head tied to an embedding is one group."""
     groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(tensor.shape))
+    for name, whole in state.items():
+        tensor = whole.to_local() if isinstance(whole, DTensor) else whole  # a sharded one: this rank's shard
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()), tuple(whole.shape))
         groups.setdefault(key, []).append(name)
     return list(groups.values())
 
@@ -123,7 +125,11 @@ def _read_into(state: Mapping[str, torch.Tensor], file: Path, sources: Iterable[
                     f"{source.stored} in {file} has shape {tuple(value.shape)}, but the model's {source.names[0]} "
                     f"has {tuple(target.shape)}; are these the weights of this model's config?"
                 )
-            target.copy_(value)
+            if isinstance(target, DTensor):  # this rank's shard of it, cut here: no communication
+                value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+                target.to_local().copy_(value.to_local())
+            else:
+                target.copy_(value)
             read += value.numel() * value.element_size()
     return read
 

@@ -29,7 +29,12 @@ class TrainConfig:
     virtual: int = 1
     """Stages per pipeline rank (2 or more for the interleaved schedule)."""
     dp: int = 1
-    """Data-parallel replicas of the whole pipeline; the job runs ``stages * dp`` processes."""
+    """Data-parallel replicas of the whole pipeline; the job runs ``stages * dp * fsdp * tp`` processes."""
+    fsdp: int = 1
+    """Ranks each replica shards its stages' parameters, gradients and optimizer state over (FSDP; with ``dp``:
+    HSDP); each takes its own share of the batch."""
+    tp: int = 1
+    """Ranks each layer is split over (tensor parallelism: GPT presets' attention heads, MLP and vocabulary)."""
     schedule: ScheduleName = "1f1b"
     """Pipeline schedule."""
     microbatches: int = 4
@@ -102,7 +107,18 @@ class TrainConfig:
             )
 
     def _check_numbers(self) -> None:
-        for name in ("stages", "virtual", "dp", "microbatches", "batch_size", "seq_len", "steps", "eval_batches"):
+        for name in (
+            "stages",
+            "virtual",
+            "dp",
+            "fsdp",
+            "tp",
+            "microbatches",
+            "batch_size",
+            "seq_len",
+            "steps",
+            "eval_batches",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
@@ -144,7 +160,12 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.stages * self.dp
+        return self.stages * self.dp * self.fsdp * self.tp
+
+    @property
+    def batch_shards(self) -> int:
+        """Ranks of a stage that each take their own share of the batch: ``dp * fsdp``."""
+        return self.dp * self.fsdp
 
     @property
     def tokens_per_sample(self) -> int:

@@ -18,9 +18,17 @@ from torch.utils.data import Dataset
 
 from stagewise import checkpoint
 from stagewise.comm import init_mesh
-from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, pattern_images, teacher_regression
+from stagewise.models import (
+    CNNConfig,
+    GPTConfig,
+    MLPConfig,
+    ModelConfig,
+    gpt_parallel,
+    pattern_images,
+    teacher_regression,
+)
 from stagewise.models.text import text_splits
-from stagewise.partition import Partition, auto, balance, layers_of
+from stagewise.partition import Layer, Partition, auto, balance, layers_of
 from stagewise.pipeline import (
     Batch,
     Compute,
@@ -145,6 +153,8 @@ def preflight(config: TrainConfig) -> None:
     starts any process, so a bad value is one message rather than a traceback from every rank."""
     model_config = model_of(config.model)
     layers = layers_of(_meta_model(config, model_config))
+    if config.tp > 1:
+        _check_tensor_parallel(config, model_config, layers)
     n_stages = config.stages * config.virtual
     part = (
         Partition.from_bounds(config.partition)
@@ -159,14 +169,25 @@ def preflight(config: TrainConfig) -> None:
     for split, data, shuffle in ((TRAINING, train_data, True), (VALIDATION, val_data, False)):
         with _named(split):
             StageLoader(
-                data, global_batch_size=config.batch_size, dp=config.dp, replica=0, first=False, last=False,
+                data, global_batch_size=config.batch_size, dp=config.batch_shards, replica=0, first=False, last=False,
                 n_microbatches=config.microbatches, options=LoaderOptions(shuffle=shuffle),
             )  # fmt: skip
 
 
+def _check_tensor_parallel(config: TrainConfig, model_config: ModelConfig | UserModel, layers: list[Layer]) -> None:
+    """Refuse ``tp > 1`` for a model without a tensor-parallel plan, or one the plan cannot split ``tp`` ways."""
+    if not isinstance(model_config, GPTConfig):
+        raise ValueError(
+            f"tp={config.tp}: tensor parallelism splits GPT presets' layers, and {config.model} is not one; "
+            "train it with tp=1 (fsdp shards any model)"
+        )
+    for layer in layers:
+        gpt_parallel.plan(layer.name, layer.module, config.tp)  # raises, saying which tp would fit
+
+
 def _micro(config: TrainConfig) -> int:
-    """Samples in one micro-batch of one replica (at least 1)."""
-    return max(1, config.batch_size // config.dp // config.microbatches)
+    """Samples in one micro-batch of one share of the batch (at least 1)."""
+    return max(1, config.batch_size // config.batch_shards // config.microbatches)
 
 
 def _meta_model(config: TrainConfig, model_config: ModelConfig | UserModel) -> nn.Module:
@@ -179,7 +200,7 @@ def _meta_model(config: TrainConfig, model_config: ModelConfig | UserModel) -> n
 def build_pipeline(config: TrainConfig) -> Pipeline:
     """The Pipeline of ``config`` on this rank: the model on the meta device, split exactly by FLOPs; a Hugging
     Face folder's weights are read per stage."""
-    mesh = init_mesh(config.stages, config.dp, timeout=config.timeout)
+    mesh = init_mesh(config.stages, config.dp, fsdp=config.fsdp, tp=config.tp, timeout=config.timeout)
     model_config = model_of(config.model)
     model = _meta_model(config, model_config)
     n_stages = config.stages * config.virtual
@@ -207,7 +228,8 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
 def pipeline_options(config: TrainConfig) -> PipelineOptions:
     """The rarer knobs of ``config``'s Pipeline; its loss reduction is its model's (:func:`objective`)."""
     fusion = WeightGradientFusion(pool=config.weight_gradient_pool) if config.weight_gradient_fusion else None
-    goal = objective(model_of(config.model))
+    model_config = model_of(config.model)
+    goal = objective(model_config)
     return PipelineOptions(
         n_virtual=config.virtual,
         seed=config.seed,
@@ -219,6 +241,7 @@ def pipeline_options(config: TrainConfig) -> PipelineOptions:
         diagnostics=Diagnostics(nonfinite=config.nonfinite),
         fuse_weight_gradients=fusion,
         data_parallel=DataParallel(),
+        tensor_parallel=gpt_parallel.plan if isinstance(model_config, GPTConfig) else None,
     )
 
 

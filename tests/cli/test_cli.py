@@ -306,7 +306,7 @@ def test_more_processes_than_cores_are_named_with_the_numbers() -> None:
     # --dp 8 on 2 cores started 16 processes without a word.
     assert cli_train.crowding(16, 2) == (
         "16 processes share 2 CPU cores, so each step waits for processes that are not running; at most 2 processes "
-        "(--stages x --dp) run at full speed"
+        "(--stages x --dp x --fsdp x --tp) run at full speed"
     )
     assert cli_train.crowding(2, 2) is None
 

@@ -147,3 +147,21 @@ def test_resume_without_a_checkpoint_dir_is_refused() -> None:
         dataclasses.replace(BASE, microbatches=0)
     with pytest.raises(LaunchError, match=r"global_batch_size=8 is smaller than dp=1 x n_microbatches=16"):
         launch_run(dataclasses.replace(BASE, microbatches=16))
+
+
+def test_a_sharded_layout_trains_as_the_pipeline_does(runs: Runs, tmp_path: Path) -> None:
+    # The tied tiny GPT on one stage sharded by FSDP over 2 ranks and split over 2 tensor-parallel ranks: the same
+    # losses as the 2-stage run, step by step (clipping, AdamW and the learning-rate schedule included).
+    sharded = dataclasses.replace(BASE, stages=1, fsdp=2, tp=2, stop_after=3, checkpoint_dir=str(tmp_path))
+    torch.testing.assert_close(launch_run(sharded), runs.whole[:3], atol=1e-5, rtol=1e-5)
+
+
+def test_tensor_parallelism_of_a_model_without_a_plan_is_refused() -> None:
+    from stagewise.run.loop import preflight
+
+    with pytest.raises(ValueError, match=r"tp=2: tensor parallelism splits GPT presets' layers, and mlp-tiny"):
+        preflight(dataclasses.replace(BASE, model="mlp-tiny", stages=1, tp=2))
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the 4 attention heads .* choose tp among \[1, 2, 4\]"):
+        preflight(dataclasses.replace(BASE, stages=1, tp=8))
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the vocabulary of 256 tokens"):
+        preflight(dataclasses.replace(BASE, stages=1, tp=3))
