@@ -49,6 +49,7 @@ class ShardedStages:
                 continue  # nothing to shard or to reduce
             try:
                 unit = fully_shard(stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+                unit._get_fsdp_state()._lazy_init()  # as its first forward would: the executor calls past its hooks
             except (AssertionError, RuntimeError, ValueError, TypeError) as err:
                 dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in stage.parameters()})
                 cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -57,7 +58,6 @@ class ShardedStages:
                     f"be sharded by fully_shard: {cause}; give its layers parameters FSDP can flatten together (one "
                     "floating dtype, no parameter shared with another stage's layers here), or train with fsdp=1"
                 ) from err
-            unit._get_fsdp_state()._lazy_init()  # as its first forward would: the executor calls past its hooks
             self.units[s] = unit
             stage.compute_dtype = config.param_dtype
         self.gathered = False

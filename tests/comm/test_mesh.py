@@ -175,3 +175,34 @@ def inferred_layout(pp: int | None, dp: int | None) -> tuple[int, int]:
 
 def test_a_missing_dimension_is_inferred_from_the_world_size() -> None:
     assert run_ranks(inferred_layout, 4, None, 2) == dict.fromkeys(range(4), (2, 2))
+
+
+def test_a_four_dimensional_layout_puts_tensor_parallelism_innermost() -> None:
+    layout = Layout(pp=2, dp=1, fsdp=2, tp=2)
+    assert layout.coords(5) == Coords(stage=1, replica=0, shard=0, tp_rank=1)
+    assert layout.rank(1, 0, 1, 0) == 6
+    assert layout.lines == 4 and layout.batch_shards == 2
+    assert layout.pipeline_ranks(layout.line(5)) == (1, 5)  # the same shard and tp rank on each stage
+    assert [layout.batch_index(r) for r in range(4)] == [0, 0, 1, 1]  # tp ranks take the same share
+    assert layout.describe() == "pp=2 x dp=1 x fsdp=2 x tp=2"
+
+
+def test_a_sharded_layout_that_does_not_fit_the_world_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(
+        ValueError,
+        match=r"^pp=2 x fsdp=3 x tp=1 does not divide the world size 4, so no dp fits; choose fsdp x tp among the "
+        r"divisors \[1, 2, 4\], or launch a multiple of 6 processes$",
+    ):
+        init_mesh(2, None, fsdp=3)
+    with pytest.raises(
+        ValueError,
+        match=r"^pp=2 x dp=2 x fsdp=2 x tp=1 = 8 processes, but the world size is 4; choose pp, dp, fsdp and tp "
+        r"whose product is 4, or launch 8 processes$",
+    ):
+        init_mesh(2, 2, fsdp=2)
+    with pytest.raises(ValueError, match=r"^tp must be >= 1, got 0$"):
+        init_mesh(2, None, tp=0)
+    assert not dist.is_initialized()

@@ -142,6 +142,18 @@ def _counting(name: str) -> None:
     setattr(dist, name, counted)
 
 
+def mixed_dtypes() -> str:
+    """The refusal of a stage whose parameters FSDP cannot flatten together (float32 and float64)."""
+    mesh = MESHES[(1, 2, 2, 1)]  # every rank holds the one stage, so every rank refuses it
+    chain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 4))
+    try:
+        Pipeline(chain, Partition.from_bounds((0, 3)), n_microbatches=1, loss_fn=torch.nn.functional.mse_loss,
+                 mesh=mesh)  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
 def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
     _counting("all_gather_single")
@@ -152,6 +164,7 @@ def train_all(cases: list[Case]) -> dict[str, Any]:
             out[case.name] = train(case)
         except Exception:  # reported by the case's own test
             out[case.name] = traceback.format_exc()
+    out["mixed dtypes"] = mixed_dtypes()
     dist.destroy_process_group()
     return out
 
@@ -204,3 +217,27 @@ def test_sharded_stages_equal_the_unsplit_model(case: Case, outcomes: dict[int, 
         sharded = case.fsdp > 1 or (case.tp > 1 and case.dp > 1)
         assert got["units"] == (case.n_virtual if sharded else 0), f"rank {rank}: one FSDP unit per stage"
     assert held >= set(want["params"]) - {"head.weight"}  # together the ranks hold the whole model
+
+
+def test_a_stage_fsdp_cannot_shard_is_refused_in_one_line(outcomes: dict[int, dict[str, Any]]) -> None:
+    for results in outcomes.values():
+        message = results["mixed dtypes"]
+        assert message.startswith(
+            "stage 0 (layers 0 .. 2, parameters of dtypes ['float32', 'float64']) cannot be sharded by fully_shard: "
+        ), message
+        assert message.endswith("or train with fsdp=1"), message
+
+
+def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> None:
+    from stagewise.partition import Segment
+    from stagewise.pipeline.tensor_parallel import parallelize
+
+    class TwoRanks:  # parallelize reads only the mesh's size before it refuses
+        def size(self) -> int:
+            return 2
+
+    segment = Segment.__new__(Segment)
+    with pytest.raises(ValueError, match=r"^layer blocks\.0 is a captured graph: tensor parallelism splits modules"):
+        parallelize([segment], ["blocks.0"], TwoRanks(), gpt_plan)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^the mesh has tp=2 but no tensor-parallel plan was given; pass"):
+        parallelize([torch.nn.Linear(2, 2)], ["head"], TwoRanks(), None)  # type: ignore[arg-type]
