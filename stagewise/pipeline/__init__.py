@@ -2,7 +2,7 @@
 
 from stagewise.pipeline.batch_norm import BatchNormStatistics
 from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, PipelineOptions
+from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, FullySharded, PipelineOptions
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
@@ -12,6 +12,7 @@ from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.pretrained import PretrainedError, PretrainedLoad, load_pretrained, weight_files
 from stagewise.pipeline.stage import StageError
+from stagewise.pipeline.tensor_parallel import TensorParallelPlan
 
 __all__ = [
     "Batch",
@@ -19,6 +20,7 @@ __all__ = [
     "Compute",
     "DataParallel",
     "Diagnostics",
+    "FullySharded",
     "FusedWeightGradients",
     "LoaderOptions",
     "LossFn",
@@ -31,6 +33,7 @@ __all__ = [
     "PretrainedLoad",
     "StageError",
     "StageLoader",
+    "TensorParallelPlan",
     "WeightGradientFusion",
     "WeightGradientStore",
     "clip_grad_norm_",
