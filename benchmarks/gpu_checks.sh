@@ -22,6 +22,8 @@ run gpu_check_small 200 "$PY" benchmarks/gpu_check.py --preset gpt-small --seq-l
 run plan_fidelity 240 "$PY" benchmarks/plan_fidelity.py --device cuda --presets gpt-tiny,gpt-small
 # Hugging Face models as they are: GPT-2, Llama and BERT on meta, each schedule on one rank against the unsplit model.
 run hf_gpu_check 240 "$PY" benchmarks/hf_gpu_check.py --steps 3 --layers 4
+# Sharding inside stages on one GPU: FSDP's bf16 policy on a single-rank mesh against fp32 and bf16 autocast.
+run shard_gpu_check 300 "$PY" benchmarks/shard_gpu_check.py --preset gpt-small --seq-len 1024 --batch 8 --steps 6
 # A local Hugging Face folder trained from the command line on one GPU.
 "$PY" -c 'import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=256)).save_pretrained("/tmp/stagewise-hf-gpt2")' > /dev/null 2>&1
 run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --stages 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run
