@@ -111,6 +111,15 @@ class Pipeline(HeldStages):
     :class:`stagewise.pipeline.StageLoader`); a sum or a token mean takes
     batches of different sizes.
 
+    With ``fsdp > 1`` each stage is sharded over the ``fsdp`` ranks of its
+    replica by torch's ``fully_shard`` (HSDP with ``dp > 1``), gathered once
+    per step and its gradients reduce-scattered once (see
+    :mod:`stagewise.pipeline.fully_sharded`; DDP is not used then); each of
+    the ``dp x fsdp`` ranks of a stage takes its own share of the batch. With
+    ``tp > 1`` each layer is split over the ``tp`` ranks by
+    ``options.tensor_parallel`` (see :mod:`stagewise.pipeline.tensor_parallel`),
+    which take the same share. :meth:`parameters` then yields DTensors.
+
     Batch norms normalise each micro-batch with its own statistics, as with
     gradient accumulation; by default their running statistics move once per
     step, from the whole batch, not once per micro-batch (see
