@@ -6,6 +6,7 @@ schedule; each case's outcome comes back on its own, so one failing case fails i
 
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from stagewise.comm import PipelineMesh, init_mesh
 from stagewise.models.gpt import GPT, GPTConfig
 from stagewise.models.gpt_parallel import plan as gpt_plan
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline, PipelineOptions
+from stagewise.pipeline import Diagnostics, Pipeline, PipelineOptions
 
 STEPS = 3
 CLIP = 0.05
@@ -154,6 +155,42 @@ def mixed_dtypes() -> str:
     return "built"
 
 
+POISON = [False]
+"""While True, the loss of every micro-batch is NaN."""
+
+
+def poisoned_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    loss = GPTConfig.loss(logits, targets)
+    return loss * float("nan") if POISON[0] else loss
+
+
+def skipping() -> dict[str, Any]:
+    """pp2 x fsdp2 with ``nonfinite="skip"``: a good step, a NaN step that is skipped, then the second batch."""
+    case = Case(2, 1, 2, 1, "1f1b", 2)
+    mesh = MESHES[(2, 1, 2, 1)]
+    pipe = Pipeline(
+        model(case), Partition.from_bounds(bounds(case)), n_microbatches=2, loss_fn=poisoned_loss, mesh=mesh,
+        options=PipelineOptions(diagnostics=Diagnostics(nonfinite="skip")),
+    )  # fmt: skip
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+    share = BATCH // mesh.layout.batch_shards
+    mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+    data = batches()
+    losses, skipped = [], []
+    for poisoned, (ids, targets) in zip((False, True, False), (data[0], data[1], data[1]), strict=True):
+        POISON[0] = poisoned
+        opt.zero_grad()
+        losses.append(pipe.step(ids[mine], targets[mine]).item())
+        skipped.append(pipe.skipped)
+        if not pipe.skipped:
+            pipe.clip_grad_norm_(CLIP)
+            opt.step()
+    POISON[0] = False
+    params = {n: _whole(p) for n, p in pipe.named_parameters()}
+    pipe.close()
+    return {"losses": losses, "skipped": skipped, "params": params}
+
+
 def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
     _counting("all_gather_single")
@@ -165,6 +202,7 @@ def train_all(cases: list[Case]) -> dict[str, Any]:
         except Exception:  # reported by the case's own test
             out[case.name] = traceback.format_exc()
     out["mixed dtypes"] = mixed_dtypes()
+    out["skip"] = skipping()
     dist.destroy_process_group()
     return out
 
@@ -241,3 +279,12 @@ def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> Non
         parallelize([segment], ["blocks.0"], TwoRanks(), gpt_plan)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^the mesh has tp=2 but no tensor-parallel plan was given; pass"):
         parallelize([torch.nn.Linear(2, 2)], ["head"], TwoRanks(), None)  # type: ignore[arg-type]
+
+
+def test_a_non_finite_step_is_skipped_on_sharded_stages(outcomes: dict[int, dict[str, Any]]) -> None:
+    want = unsplit(Case(2, 1, 2, 1, "1f1b", 2))  # its steps 1 and 2 are the skipping run's 1 and 3
+    for rank, results in outcomes.items():
+        got = results["skip"]
+        assert got["skipped"] == [False, True, False], rank
+        assert math.isnan(got["losses"][1]), rank
+        torch.testing.assert_close([got["losses"][0], got["losses"][2]], want["losses"][:2], atol=1e-5, rtol=1e-5)
