@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 from collections.abc import Sequence
@@ -14,11 +15,13 @@ from torch import nn
 
 from stagewise.cli import args
 from stagewise.comm import Payload
-from stagewise.models import PRESETS, GPTConfig
+from stagewise.models import GPT, PRESETS, GPTConfig, gpt_parallel
 from stagewise.partition import Layer, layers_of
 from stagewise.partition.profile import working_copy
-from stagewise.plan import Plan, plan
+from stagewise.plan import Option, Plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
+from stagewise.plan.planner import candidates, tensor_parallel_degrees
+from stagewise.plan.tensor_traffic import layer_traffic
 from stagewise.plan.workload import Workload, preset_model, workload, workload_under_load
 from stagewise.run.user_model import HF, UserModel, model_of
 from stagewise.schedule import render
@@ -57,7 +60,21 @@ def add(commands: Any) -> None:
     p.add_argument("--micro-batch", type=args.positive_int, default=1, help="samples per profiled micro-batch")
     p.add_argument("--link-bandwidth", type=float, default=50e9, help="bytes/s between adjacent stages")
     p.add_argument("--link-latency", type=float, default=20e-6, help="seconds per point-to-point message")
-    p.add_argument("--network-bandwidth", type=float, default=25e9, help="bytes/s per device for all-reduce")
+    p.add_argument(
+        "--network-bandwidth", type=float, default=25e9,
+        help="bytes/s per device in collectives across nodes (all-reduce, FSDP's all-gather and reduce-scatter)",
+    )  # fmt: skip
+    p.add_argument(
+        "--intra-node-bandwidth", type=float, default=300e9,
+        help="bytes/s per device in collectives within a node (tensor parallelism; FSDP where its group fits)",
+    )  # fmt: skip
+    p.add_argument(
+        "--gpus-per-node", type=args.positive_int, default=8, help="devices per node: tp never crosses a node"
+    )
+    p.add_argument(
+        "--fsdp", type=args.positive_int, default=None, help="shard over this many ranks (default: searched)"
+    )
+    p.add_argument("--tp", type=args.positive_int, default=None, help="split layers over this many (default: searched)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="for the state per parameter")
     p.add_argument("--top", type=args.positive_int, default=8, help="plans to show")
     p.add_argument("--json", type=Path, default=None, help="write the best plan here (for `train --plan`)")
@@ -189,16 +206,34 @@ def _cluster(ns: argparse.Namespace) -> Cluster:
         flops = ns.gpu_flops if ns.gpu_flops is not None else 400e12
         bandwidth = ns.gpu_bandwidth if ns.gpu_bandwidth is not None else 2e12
         devices = (Device(memory, flops, bandwidth),) * (ns.gpus or 8)
-    return Cluster(devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth)
+    return Cluster(
+        devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth, ns.gpus_per_node, ns.intra_node_bandwidth
+    )
+
+
+def _pinned(ns: argparse.Namespace, work: Workload, cluster: Cluster) -> list[Option] | None:
+    """The candidate layouts with ``--fsdp`` and ``--tp`` where given (None: every candidate)."""
+    if ns.fsdp is None and ns.tp is None:
+        return None
+    degrees = tensor_parallel_degrees(work)
+    if ns.tp is not None and ns.tp > 1 and ns.tp not in degrees:
+        found = dict(work.tensor_parallel).get(ns.tp)
+        raise ValueError(found if isinstance(found, str) else f"--tp {ns.tp}: {work.traffic(ns.tp)}")
+    every = candidates(
+        cluster.n_devices, len(work.costs), work.global_batch, tp_degrees=degrees, gpus_per_node=cluster.gpus_per_node
+    )
+    return [o for o in every if (ns.fsdp is None or o.fsdp == ns.fsdp) and (ns.tp is None or o.tp == ns.tp)]
 
 
 def _show(result: Plan, work: Workload, top: int) -> None:
     if result.options:
-        print(f"{'layout':<36} {'step':>10} {'bubble':>7} {'tokens/s':>12} {'peak memory per rank':>22}")
-        for o in result.options[:top]:
+        listed = result.options[:top]
+        width = max(36, *(len(o.describe()) for o in listed))
+        print(f"{'layout':<{width}} {'step':>10} {'bubble':>7} {'tokens/s':>12} {'peak memory per rank':>22}")
+        for o in listed:
             tokens = o.samples_per_second * work.tokens_per_sample
             peak = format_bytes(max(o.rank_memory))
-            print(f"{o.describe():<36} {o.step_time:>9.4g}s {o.bubble:>7.1%} {tokens:>12.4g} {peak:>22}")
+            print(f"{o.describe():<{width}} {o.step_time:>9.4g}s {o.bubble:>7.1%} {tokens:>12.4g} {peak:>22}")
     if result.rejected:
         print(f"rejected {len(result.rejected)} layouts, for example:")
         shown: set[str] = set()
@@ -265,7 +300,11 @@ def run(ns: argparse.Namespace) -> int:
     devices = cluster.describe(speeds=not ns.profile)
     measured = f"; layer times measured on {ns.device or 'cpu'}" if ns.profile else ""
     print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {devices}{measured}")
-    result = plan(work, cluster)
+    if ns.tp is not None and ns.tp > 1 and isinstance(model, GPT) and ns.tp not in dict(work.tensor_parallel):
+        # a degree the workload did not describe: what the GPT's plan makes of it (or why it cannot)
+        traffic = layer_traffic(layers_of(model), gpt_parallel.plan, ns.tp)
+        work = dataclasses.replace(work, tensor_parallel=(*work.tensor_parallel, (ns.tp, traffic)))
+    result = plan(work, cluster, options=_pinned(ns, work, cluster))
     _show(result, work, ns.top)
     if result.best is None:
         least = result.smallest_memory

@@ -37,12 +37,20 @@ class Cluster:
     link_latency: float = 20e-6
     """Seconds per point-to-point message, whatever its size."""
     network_bandwidth: float = 25e9
-    """Bytes per second each device sends in DDP's ring all-reduce."""
+    """Bytes per second each device sends in a ring collective across nodes (DDP's all-reduce, FSDP's
+    all-gather and reduce-scatter)."""
+    gpus_per_node: int = 8
+    """Devices per node, in rank order: a tensor-parallel group never crosses a node."""
+    intra_node_bandwidth: float = 300e9
+    """Bytes per second each device sends in a ring collective within a node (NVLink class; tensor parallelism's
+    all-reduces, and FSDP's collectives where their group fits in a node)."""
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise ValueError("a cluster needs at least one device")
-        for name in ("link_bandwidth", "network_bandwidth"):
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}")
+        for name in ("link_bandwidth", "network_bandwidth", "intra_node_bandwidth"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite, got {getattr(self, name)}")
         if not 0 <= self.link_latency < math.inf:  # also refuses NaN
@@ -52,14 +60,21 @@ class Cluster:
     def n_devices(self) -> int:
         return len(self.devices)
 
+    def bandwidth(self, span: int) -> float:
+        """Ring bandwidth of a group of ranks ``span`` apart at most in rank order: within a node, or across."""
+        return self.intra_node_bandwidth if span <= self.gpus_per_node else self.network_bandwidth
+
     def stage_devices(self, pp: int, dp: int) -> list[Device]:
-        """Per pipeline rank: the weakest of its ``dp`` replicas' devices (DDP waits for the slowest).
+        """Per pipeline rank: the weakest of the ``dp`` devices of its stage (its replicas, shards and tensor-parallel
+        ranks: ``dp x fsdp x tp``; each waits for the slowest).
 
         Ranks are laid out pipeline outermost, as in :class:`stagewise.comm.Layout`:
-        pipeline rank ``s`` of replica ``r`` is global rank ``s * dp + r``.
+        the ranks of stage ``s`` are ``s * dp .. (s + 1) * dp - 1``.
         """
         if pp * dp != self.n_devices:
-            raise ValueError(f"pp={pp} x dp={dp} = {pp * dp} ranks, but the cluster has {self.n_devices} devices")
+            raise ValueError(
+                f"pp={pp} x {dp} ranks per stage = {pp * dp} ranks, but the cluster has {self.n_devices} devices"
+            )
         out = []
         for s in range(pp):
             group = self.devices[s * dp : (s + 1) * dp]

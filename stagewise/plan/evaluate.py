@@ -7,11 +7,22 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from stagewise.partition import CapacityError, LayerCost, MemoryModel, Partition, balance, memory_model, params_of
+from stagewise.partition import (
+    CapacityError,
+    LayerCost,
+    MemoryModel,
+    Partition,
+    SharedParameter,
+    balance,
+    memory_model,
+    params_of,
+)
 from stagewise.plan.cluster import Cluster, Device
 from stagewise.plan.option import Option
+from stagewise.plan.tensor_traffic import REPLICATED_ACTIVATIONS, LayerTraffic, ring_seconds
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, ScheduleName, StageCosts, build, holdings, simulate
+from stagewise.schedule.holdings import FREE, Holding
 
 
 def _scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, input_bytes: float) -> list[LayerCost]:
@@ -74,6 +85,8 @@ class _Setting:
     """Bytes of one layer's activations recomputed at once under activation checkpointing."""
     loss_extra: float
     """Bytes the loss holds beyond the output-sized tensor counted as saved, on the last stage."""
+    shared: tuple[SharedParameter, ...]
+    """The tied parameters, each its bytes on one rank (a tensor-parallel shard where its layers split)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -82,17 +95,102 @@ def cached_schedule(name: ScheduleName, n_stages: int, n_microbatches: int, n_vi
     return build(name, n_stages, n_microbatches, n_virtual=n_virtual)
 
 
-def _shape_error(option: Option, workload: Workload) -> str | None:
-    """Why ``option``'s shape cannot take ``workload``: more stages than layers, or a batch that does not divide."""
+@functools.lru_cache(maxsize=256)
+def _cached_holdings(
+    name: ScheduleName, n_stages: int, n_microbatches: int, n_virtual: int, checkpointing: bool, pooled: bool
+) -> tuple[tuple[Holding, ...], ...]:
+    """:func:`~stagewise.schedule.holdings` of a built-in schedule, once per shape: layouts that differ only in
+    their data-parallel and sharded dimensions share it. ``pooled``: with Pipeline's default weight-gradient
+    pool; sharded stages have none (their gradients accumulate through autograd)."""
+    schedule = cached_schedule(name, n_stages, n_microbatches, n_virtual)
+    return holdings(schedule, FREE if pooled else None, checkpointing=checkpointing)
+
+
+def _shape_error(option: Option, workload: Workload, cluster: Cluster) -> str | None:
+    """Why ``option``'s shape cannot take ``workload``: more stages than layers, a batch that does not divide, a
+    tensor-parallel group that would cross a node or that the model's plan cannot split."""
     n_stages = option.pp * option.n_virtual
     if len(workload.costs) < n_stages:
         return f"{n_stages} stages for {len(workload.costs)} layers"
-    if workload.global_batch % option.dp:
-        return f"global batch {workload.global_batch} not divisible by dp={option.dp}"
-    local = workload.global_batch // option.dp
+    shards = option.batch_shards
+    if workload.global_batch % shards:
+        what = f"dp={option.dp}" if option.fsdp == 1 else f"dp x fsdp = {shards}"
+        return f"global batch {workload.global_batch} not divisible by {what}"
+    local = workload.global_batch // shards
     if local % option.n_microbatches:
         return f"batch {local} per replica not divisible by m={option.n_microbatches}"
+    if option.tp > 1:
+        if cluster.gpus_per_node % option.tp:
+            return (
+                f"tp={option.tp} does not divide the {cluster.gpus_per_node} GPUs of a node: its group would cross one"
+            )
+        traffic = workload.traffic(option.tp)
+        if isinstance(traffic, str):
+            return traffic
     return None
+
+
+def _tensor_parallel(costs: list[LayerCost], traffic: Sequence[LayerTraffic] | None, tp: int) -> list[LayerCost]:
+    """Costs on one of ``tp`` ranks: a split layer's parameters, FLOPs and time divide by ``tp``, its saved
+    activations but :data:`REPLICATED_ACTIVATIONS` of them too; its output stays whole."""
+    if traffic is None:
+        return costs
+    kept = REPLICATED_ACTIVATIONS + (1 - REPLICATED_ACTIVATIONS) / tp
+    out = []
+    for c, t in zip(costs, traffic, strict=True):
+        if not t.split:
+            out.append(c)
+            continue
+        out.append(
+            dataclasses.replace(
+                c,
+                params=c.params // tp,
+                param_bytes=c.param_bytes // tp,
+                flops=c.flops // tp,
+                forward_flops=c.forward_flops // tp,
+                time=None if c.time is None else c.time / tp,
+                saved_bytes=int(c.saved_bytes * kept),
+                working_bytes=int(c.working_bytes * kept),
+            )
+        )
+    return out
+
+
+def _tp_seconds(
+    costs: Sequence[LayerCost], traffic: Sequence[LayerTraffic] | None, tp: int, cluster: Cluster, input_bytes: float
+) -> list[tuple[float, float]]:
+    """Per layer: the seconds of its tensor-parallel collectives in one micro-batch's forward and backward."""
+    if traffic is None:
+        return [(0.0, 0.0)] * len(costs)
+    bandwidth, latency = cluster.intra_node_bandwidth, cluster.link_latency
+    out = []
+    previous = input_bytes
+    for c, t in zip(costs, traffic, strict=True):
+        reduce_out = ring_seconds(c.output_bytes, tp, bandwidth, latency, all_reduce=True)
+        gather_out = ring_seconds(c.output_bytes, tp, bandwidth, latency, all_reduce=False)
+        reduce_in = ring_seconds(previous, tp, bandwidth, latency, all_reduce=True)
+        forward = t.forward_all_reduces * reduce_out + t.forward_all_gathers * gather_out
+        out.append((forward, t.backward_all_reduces * reduce_in))
+        previous = c.output_bytes
+    return out
+
+
+def _split_ties(
+    shared: Sequence[SharedParameter], traffic: Sequence[LayerTraffic] | None, tp: int
+) -> tuple[SharedParameter, ...]:
+    """The tied parameters as one rank holds them: ``1/tp`` of one whose layers all split (a GPT's vocabulary)."""
+    if traffic is None:
+        return tuple(shared)
+    return tuple(
+        dataclasses.replace(tie, nbytes=tie.nbytes // tp) if all(traffic[i].split for i in tie.indices) else tie
+        for tie in shared
+    )
+
+
+def _state_multiplier(multiplier: float, fsdp: int) -> float:
+    """Copies of each parameter a rank holds at its fullest: without FSDP, ``multiplier`` (weights, gradients,
+    optimizer state); with it, ``1/fsdp`` of those plus, during the step, the whole parameters and gradients."""
+    return multiplier if fsdp == 1 else 2 + multiplier / fsdp
 
 
 def _seconds(
@@ -129,16 +227,19 @@ def _transient_error(transient: Sequence[float], have: Sequence[float], recomput
 
 def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting | str:
     """The concrete setting of ``option``, or why it cannot run."""
-    why = _shape_error(option, workload)
+    why = _shape_error(option, workload, cluster)
     if why is not None:
         return why
-    pp, dp, v, m = option.pp, option.dp, option.n_virtual, option.n_microbatches
+    pp, v, m, tp = option.pp, option.n_virtual, option.n_microbatches, option.tp
     n_stages = pp * v
     schedule = cached_schedule(option.schedule, n_stages, m, v)
-    factor = workload.global_batch // dp // m / workload.profiled_batch
+    factor = workload.global_batch // option.batch_shards // m / workload.profiled_batch
     ckpt = option.activation_checkpointing
-    costs = _scaled(workload.costs, factor, ckpt, workload.input_bytes * factor)
-    devices = cluster.stage_devices(pp, dp)
+    found = workload.traffic(tp) if tp > 1 else None
+    traffic = found if not isinstance(found, str) else None  # a refusal was _shape_error's
+    whole = _scaled(workload.costs, factor, ckpt, workload.input_bytes * factor)
+    costs = _tensor_parallel(whole, traffic, tp)
+    devices = cluster.stage_devices(pp, option.ranks_per_stage)
     fastest = max(d.flops for d in devices)
     recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
     smallest = min(d.memory for d in devices) / v
@@ -157,24 +258,31 @@ def _setting(option: Option, workload: Workload, cluster: Cluster) -> _Setting |
     if why is not None:
         return why + _shared_device(v)
     loss_f, loss_b = workload.loss_seconds
+    shared = _split_ties(workload.shared, traffic, tp)
+    collectives = _tp_seconds(costs, traffic, tp, cluster, workload.input_bytes * factor)
+    computed = _seconds(costs, fastest, ckpt, (loss_f * factor, loss_b * factor))
     return _Setting(
         schedule=schedule,
         devices=devices,
         costs=costs,
-        seconds=_seconds(costs, fastest, ckpt, (loss_f * factor, loss_b * factor)),
+        # A recomputed forward repeats its collectives.
+        seconds=[
+            (f + cf, b + cb + (cf if ckpt else 0.0)) for (f, b), (cf, cb) in zip(computed, collectives, strict=True)
+        ],
         speeds=[devices[schedule.rank_of(s)].flops / fastest for s in range(n_stages)],
         # What the schedule's own actions hold, with Pipeline's default weight-gradient pool.
         memory=memory_model(
             costs,
             schedule=schedule,
-            holdings=holdings(schedule, checkpointing=ckpt),
-            state_multiplier=workload.state_multiplier,
-            shared=workload.shared,
+            holdings=_cached_holdings(option.schedule, n_stages, m, v, ckpt, option.fsdp == 1 and tp == 1),
+            state_multiplier=_state_multiplier(workload.state_multiplier, option.fsdp),
+            shared=shared,
         ),
         capacities=[own - t for own, t in zip(have, transient, strict=True)],
         transient=transient,
         recompute=recompute,
         loss_extra=loss_extra,
+        shared=shared,
     )
 
 
@@ -226,28 +334,42 @@ def _stage_costs(setting: _Setting, stages: Sequence[range], cluster: Cluster) -
     )
 
 
-def _allreduce_seconds(rank_params: Sequence[int], dp: int, cluster: Cluster) -> float:
-    """DDP's ring all-reduce of the largest rank's gradients (``rank_params`` bytes per rank) over ``dp`` replicas."""
-    return max(2 * (dp - 1) / dp * x / cluster.network_bandwidth for x in rank_params)
+def _sync_seconds(rank_params: Sequence[int], option: Option, cluster: Cluster) -> float:
+    """The replicas' and shards' collectives once per step, for the largest rank's parameters (``rank_params`` bytes
+    per rank, tensor-parallel shards already): DDP's ring all-reduce over ``dp``; with FSDP, the all-gather of the
+    parameters and the reduce-scatter of the gradients over ``fsdp`` and (HSDP) the all-reduce of the shards over
+    ``dp``. Each at the bandwidth of its group's span in rank order (within a node or across)."""
+    dp, fsdp, tp = option.dp, option.fsdp, option.tp
+    largest = max(rank_params)
+    replicas = cluster.bandwidth(option.ranks_per_stage)
+    if fsdp == 1:
+        return ring_seconds(largest, dp, replicas, cluster.link_latency, all_reduce=True) if dp > 1 else 0.0
+    shards = cluster.bandwidth(fsdp * tp)
+    gather = ring_seconds(largest, fsdp, shards, cluster.link_latency, all_reduce=False)
+    across = ring_seconds(largest / fsdp, dp, replicas, cluster.link_latency, all_reduce=True) if dp > 1 else 0.0
+    return 2 * gather + across
 
 
-def _optimizer_seconds(rank_params: Sequence[int], devices: Sequence[Device], workload: Workload) -> float:
-    """The slowest rank's optimizer step: measured per parameter, or its state read and written at memory speed."""
+def _optimizer_seconds(rank_params: Sequence[int], devices: Sequence[Device], workload: Workload, fsdp: int) -> float:
+    """The slowest rank's optimizer step (on its ``1/fsdp`` shard): measured per parameter, or its state read and
+    written at memory speed."""
     per_param = workload.optimizer_seconds_per_param
     return max(
-        x / 4 * per_param if per_param is not None else x * workload.state_multiplier * 3 / d.memory_bandwidth
+        x / fsdp / 4 * per_param
+        if per_param is not None
+        else x / fsdp * workload.state_multiplier * 3 / d.memory_bandwidth
         for x, d in zip(rank_params, devices, strict=True)
     )
 
 
-def _tie_seconds(part: Partition, schedule: Schedule, workload: Workload, cluster: Cluster) -> float:
-    """Summing the gradients of each tied parameter over the ranks that hold it."""
+def _tie_seconds(part: Partition, schedule: Schedule, workload: Workload, cluster: Cluster, shards: int) -> float:
+    """Summing the gradients of each tied parameter over the ranks that hold it (each its ``1/shards`` part)."""
     ties = 0.0
     for tie in workload.shared:
         holders = {schedule.rank_of(part.stage_of(i)) for i in tie.indices}
         if len(holders) > 1:
             k = len(holders)
-            ties += cluster.link_latency + 2 * (k - 1) / k * tie.nbytes / cluster.link_bandwidth
+            ties += cluster.link_latency + 2 * (k - 1) / k * tie.nbytes / shards / cluster.link_bandwidth
     return ties
 
 
@@ -278,12 +400,12 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     result = simulate(sched, _stage_costs(setting, stages, cluster))
     # Each rank's layers over all its stages: Pipeline keeps one copy of a tied parameter per rank.
     rank_layers = [frozenset(i for s in sched.stages_of(r) for i in stages[s]) for r in range(option.pp)]
-    rank_params = [params_of(setting.costs, workload.shared, layers, nbytes=True) for layers in rank_layers]
+    rank_params = [params_of(setting.costs, setting.shared, layers, nbytes=True) for layers in rank_layers]
     step = (
         result.step_time
-        + _allreduce_seconds(rank_params, option.dp, cluster)
-        + _optimizer_seconds(rank_params, setting.devices, workload)
-        + _tie_seconds(part, sched, workload, cluster)
+        + _sync_seconds(rank_params, option, cluster)
+        + _optimizer_seconds(rank_params, setting.devices, workload, option.fsdp)
+        + _tie_seconds(part, sched, workload, cluster, option.fsdp * option.tp)
     )
     fixed = [setting.memory.fixed_bytes(layers) for layers in rank_layers]
     acts = _rank_activation(setting, stages)

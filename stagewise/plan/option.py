@@ -34,10 +34,25 @@ class Option:
     rejected: str | None = None
     """Why the layout does not work; None when it does."""
     simulation: SimulationResult | None = field(default=None, repr=False, compare=False)
+    fsdp: int = 1
+    """Ranks each replica shards its stages over (FSDP; with ``dp > 1``, HSDP)."""
+    tp: int = 1
+    """Ranks each layer is split over (tensor parallelism), within one node."""
+
+    @property
+    def ranks_per_stage(self) -> int:
+        """The ranks of one stage: ``dp x fsdp x tp``."""
+        return self.dp * self.fsdp * self.tp
+
+    @property
+    def batch_shards(self) -> int:
+        """The ranks of a stage that take their own share of the batch: ``dp x fsdp``."""
+        return self.dp * self.fsdp
 
     def describe(self) -> str:
         ckpt = " +ckpt" if self.activation_checkpointing else ""
-        return f"pp={self.pp} dp={self.dp} m={self.n_microbatches} {self.schedule}{ckpt}"
+        sharded = "".join(f" {name}={getattr(self, name)}" for name in ("fsdp", "tp") if getattr(self, name) > 1)
+        return f"pp={self.pp} dp={self.dp}{sharded} m={self.n_microbatches} {self.schedule}{ckpt}"
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,8 @@ class Plan:
                 "model": model,
                 "stages": best.pp,
                 "dp": best.dp,
+                "fsdp": best.fsdp,
+                "tp": best.tp,
                 "virtual": best.n_virtual,
                 "schedule": best.schedule,
                 "microbatches": best.n_microbatches,

@@ -39,17 +39,65 @@ def _layouts(pp: int, m: int) -> list[tuple[ScheduleName, int, bool]]:
     return out
 
 
-def candidates(n_devices: int, n_layers: int, global_batch: int, *, max_microbatches: int = 64) -> list[Option]:
-    """Every layout worth simulating on ``n_devices``: pp x dp = n_devices, m, schedule, checkpointing."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _data_parallel(ranks: int, tp: int, gpus_per_node: int) -> list[tuple[int, int]]:
+    """(dp, fsdp) pairs worth trying for ``ranks`` data-parallel ranks of a stage: replicas alone (DDP), shards
+    alone (FSDP over them all), and HSDP sharded within a node (``gpus_per_node / tp`` shards)."""
+    pairs = {(ranks, 1), (1, ranks)}
+    within = gpus_per_node // tp
+    if 1 < within < ranks and ranks % within == 0:
+        pairs.add((ranks // within, within))
+    return sorted(pairs)
+
+
+def _microbatches(local: int, most: int, *, least: int = 1) -> list[int]:
+    """Micro-batch counts that divide ``local``: powers of two from ``least``, and the largest up to ``most``."""
+    top = min(local, most)
+    ms = [m for m in range(1, top + 1) if local % m == 0 and (m & (m - 1) == 0 or m == top) and m >= least]
+    return ms or [top if local % top == 0 and top >= 1 else 1]
+
+
+def candidates(
+    n_devices: int,
+    n_layers: int,
+    global_batch: int,
+    *,
+    max_microbatches: int = 128,
+    tp_degrees: Sequence[int] = (),
+    gpus_per_node: int = 8,
+) -> list[Option]:
+    """Every layout worth simulating on ``n_devices``: pp x dp x fsdp x tp = n_devices, m, schedule, checkpointing.
+
+    ``tp_degrees``: the tensor-parallel degrees the model's plan can take (each dividing ``gpus_per_node``, so a
+    group stays within a node). Sharded layouts (fsdp or tp above 1) are tried with at least ``pp`` micro-batches
+    (fewer only lengthen the bubble and keep no less in flight) and without GPipe (1F1B's time, more in flight).
+    """
     out = []
-    for pp in (d for d in range(1, n_devices + 1) if n_devices % d == 0 and d <= n_layers):
-        dp = n_devices // pp
-        local = global_batch // dp if global_batch % dp == 0 else 0
-        top = min(local, max_microbatches)
-        ms = [m for m in range(1, top + 1) if local % m == 0 and (m & (m - 1) == 0 or m == top)]
-        for m in ms or [1]:
-            out += [Option(pp, dp, v, m, name, ckpt) for name, v, ckpt in _layouts(pp, m)]
+    tps = [1, *(t for t in tp_degrees if t > 1 and n_devices % t == 0 and gpus_per_node % t == 0)]
+    for tp in tps:
+        for pp in (d for d in _divisors(n_devices // tp) if d <= n_layers):
+            ranks = n_devices // (pp * tp)
+            for dp, fsdp in _data_parallel(ranks, tp, gpus_per_node):
+                sharded = fsdp > 1 or tp > 1
+                if global_batch % ranks:
+                    ms = [1]
+                else:
+                    ms = _microbatches(global_batch // ranks, max_microbatches, least=pp if sharded else 1)
+                for m in ms:
+                    out += [
+                        Option(pp, dp, v, m, name, ckpt, fsdp=fsdp, tp=tp)
+                        for name, v, ckpt in _layouts(pp, m)
+                        if not (sharded and name == "gpipe")
+                    ]
     return out
+
+
+def tensor_parallel_degrees(workload: Workload) -> list[int]:
+    """The tensor-parallel degrees ``workload``'s model can be split over (its plan takes them)."""
+    return [tp for tp, traffic in workload.tensor_parallel if not isinstance(traffic, str)]
 
 
 def plan(workload: Workload, cluster: Cluster, *, options: Sequence[Option] | None = None) -> Plan:
@@ -58,13 +106,16 @@ def plan(workload: Workload, cluster: Cluster, *, options: Sequence[Option] | No
     Each candidate gets the exact partition under the devices' memory
     capacities and speeds (:func:`stagewise.partition.balance`), the step time
     of its schedule simulated with per-stage compute, the transfer of boundary
-    activations over ``cluster.link_bandwidth``, DDP's ring all-reduce over
-    ``cluster.network_bandwidth`` and the optimizer step, and the peak memory of
-    every pipeline rank. A plan never proposes a layout whose predicted memory
+    activations over ``cluster.link_bandwidth``, tensor parallelism's
+    collectives per micro-batch within a node, DDP's all-reduce or FSDP's
+    all-gather and reduce-scatter once per step (within a node or across, as
+    their group spans) and the optimizer step, and the peak memory of every
+    pipeline rank. A plan never proposes a layout whose predicted memory
     exceeds a device's capacity.
     """
     considered = list(options) if options is not None else candidates(
-        cluster.n_devices, len(workload.costs), workload.global_batch
+        cluster.n_devices, len(workload.costs), workload.global_batch, tp_degrees=tensor_parallel_degrees(workload),
+        gpus_per_node=cluster.gpus_per_node,
     )  # fmt: skip
     done = [evaluate(o, workload, cluster) for o in considered]
     feasible = sorted((o for o in done if o.rejected is None), key=lambda o: (o.step_time, max(o.rank_memory)))

@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from stagewise.comm import Payload, as_tensors, launch
-from stagewise.models import preset
+from stagewise.models import GPT, gpt_parallel, preset
 from stagewise.partition import LayerCost, LiveBytes, SharedParameter, layers_of, profile, shared_parameters
 from stagewise.pipeline import LossFn
+from stagewise.plan.tensor_traffic import LayerTraffic, layer_traffic
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,16 @@ class Workload:
     shared: tuple[SharedParameter, ...] = ()
     """Parameters several layers use (tied weights). A stage keeps one copy; copies on different ranks have
     their gradients summed every step."""
+    tensor_parallel: tuple[tuple[int, tuple[LayerTraffic, ...] | str], ...] = ()
+    """Per tensor-parallel degree: each layer's split and collectives under the model's plan, or why the plan
+    cannot split the model that many ways. A degree not listed: the model has no plan."""
+
+    def traffic(self, tp: int) -> tuple[LayerTraffic, ...] | str:
+        """Each layer's :class:`LayerTraffic` over ``tp`` ranks, or why there is none."""
+        found = dict(self.tensor_parallel).get(tp)
+        if found is None:
+            return f"tp={tp}: the model has no tensor-parallel plan (GPT presets have one)"
+        return found
 
     def __post_init__(self) -> None:
         for name in ("profiled_batch", "global_batch", "tokens_per_sample"):
@@ -63,6 +74,9 @@ class Workload:
         if not 0 <= self.state_multiplier < math.inf:
             raise ValueError(f"state_multiplier must be >= 0 and finite, got {self.state_multiplier}")
 
+
+TP_DEGREES = (2, 4, 8)
+"""The tensor-parallel degrees a workload describes: a node's GPUs, split in powers of two."""
 
 OptimizerKind: TypeAlias = Literal["adamw", "sgd"]
 """The optimizers ``stagewise train`` uses: AdamW, or SGD with momentum 0.9."""
@@ -179,7 +193,10 @@ def workload(
 
     Timing runs with one intra-op thread on the CPU, as each rank of
     ``stagewise train`` does, and also measures the optimizer step and, given
-    ``loss=(loss_fn, target)`` for the micro-batch, the loss.
+    ``loss=(loss_fn, target)`` for the micro-batch, the loss. For a model
+    with a tensor-parallel plan (stagewise's GPT: :func:`stagewise.models.gpt_parallel.plan`),
+    what each of :data:`TP_DEGREES` would split and communicate
+    (:func:`~stagewise.plan.tensor_traffic.layer_traffic`).
     """
     tensors, _ = as_tensors(sample)
     batch = int(tensors[0].shape[0])
@@ -211,6 +228,9 @@ def workload(
         optimizer_seconds_per_param=per_param,
         loss_seconds=loss_seconds,
         loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss, output=output),
+        tensor_parallel=()
+        if not isinstance(model, GPT)
+        else tuple((tp, layer_traffic(layers_of(model), gpt_parallel.plan, tp)) for tp in TP_DEGREES),
     )
 
 

@@ -372,3 +372,57 @@ def test_a_partition_file_given_as_a_plan_says_what_it_is() -> None:
         ValueError, match=r"this is a partition \(stagewise partition --json: the stage bounds \[0, 2, 4\]"
     ):
         load_plan(Partition.from_bounds((0, 2, 4)).to_json())
+
+
+def test_fsdp_and_tensor_parallelism_divide_what_a_rank_holds() -> None:
+    work = gpt_workload("gpt-small", 32, 128)
+    cluster = Cluster((Device(80 * GiB, 1e14),) * 4)
+    plain = evaluate(Option(1, 4, 1, 4, "1f1b", False), work, cluster)
+    sharded = evaluate(Option(1, 1, 1, 4, "1f1b", False, fsdp=4), work, cluster)
+    split = evaluate(Option(1, 1, 1, 4, "1f1b", False, tp=4), work, cluster)
+    assert plain.rejected is None and sharded.rejected is None and split.rejected is None
+    params = sum(c.param_bytes for c in work.costs) - work.shared[0].nbytes  # the tie once
+    state = [o.rank_memory[0] - o.rank_activation[0] for o in (plain, sharded, split)]
+    assert state[0] == pytest.approx(4 * params, rel=1e-6)  # weights, gradients, AdamW's two moments
+    # FSDP: 1/4 of the four copies, and the whole weights and gradients while the step runs.
+    assert state[1] == pytest.approx((2 + 4 / 4) * params, rel=1e-6)
+    # Tensor parallelism splits every layer of a GPT but the position table and the norms (under 1 %).
+    assert state[2] == pytest.approx(state[0] / 4, rel=0.01)
+    # Micro-batches of 2 samples each way: a split block keeps a quarter of the activations it would (the rest is
+    # the residual stream and the norms', whole on every rank), the embedding's output and the logits whole.
+    same_size = evaluate(Option(1, 1, 1, 16, "1f1b", False, tp=4), work, cluster)
+    assert 0.4 * plain.rank_activation[0] < same_size.rank_activation[0] < 0.75 * plain.rank_activation[0]
+    assert "tp=4" in split.describe() and "fsdp=4" in sharded.describe()
+
+
+def test_tensor_parallelism_stays_in_a_node_and_within_the_plan() -> None:
+    work = gpt_workload("gpt-tiny", 32, 128)  # 4 heads
+    cluster = Cluster((Device(80 * GiB, 1e14),) * 16, gpus_per_node=4)
+    crossing = evaluate(Option(1, 2, 1, 4, "1f1b", False, tp=8), work, cluster)
+    assert crossing.rejected == "tp=8 does not divide the 4 GPUs of a node: its group would cross one"
+    wide = evaluate(Option(1, 2, 1, 4, "1f1b", False, tp=8), work, dataclasses.replace(cluster, gpus_per_node=8))
+    assert wide.rejected is not None and wide.rejected.startswith("tp=8 does not divide the 4 attention heads")
+    tps = {o.tp for o in candidates(16, 7, 32, tp_degrees=(2, 4, 8), gpus_per_node=4)}
+    assert tps == {1, 2, 4}  # 8 would cross a node
+    mlp = workload(*build_mlp(), global_batch=8)
+    assert evaluate(Option(1, 1, 1, 1, "1f1b", False, tp=2), mlp, cluster).rejected == (
+        "tp=2: the model has no tensor-parallel plan (GPT presets have one)"
+    )
+
+
+def build_mlp() -> tuple[nn.Module, torch.Tensor]:
+    return build("mlp-tiny", device="meta"), torch.zeros(2, 32)
+
+
+def test_the_plan_of_a_sharded_layout_reaches_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "4", "--global-batch", "16", "--fsdp", "2", "--tp", "2"]
+    assert main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fsdp=2 tp=2" in text
+    chosen = json.loads(out.read_text())
+    assert (chosen["fsdp"], chosen["tp"]) == (2, 2)
+    config = config_of(parser().parse_args(["train", "--plan", str(out)]))
+    assert (config.stages, config.dp, config.fsdp, config.tp) == (chosen["stages"], chosen["dp"], 2, 2)
+    assert main(["plan", "--model", "gpt-tiny", "--gpus", "4", "--tp", "3"]) == 2
+    assert "tp=3 does not divide" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""What tensor parallelism costs each layer: whether it splits, and the collectives of one micro-batch, read from
+the tensor-parallel plan that ``train`` applies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from stagewise.partition import Layer
+from stagewise.pipeline import TensorParallelPlan
+
+REPLICATED_ACTIVATIONS = 0.25
+"""The share of a split layer's saved activations that every ``tp`` rank keeps whole: in a GPT block, the residual
+stream and the layer norms' inputs and outputs, 4 of the 17 activations of ``d`` values per token it saves (the
+attention's q, k, v and output and the MLP's hidden units split). An approximation for other plans."""
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """One layer under tensor parallelism: whether it splits, and its collectives per micro-batch."""
+
+    split: bool
+    """Whether its parameters, compute and most of its activations divide by ``tp``."""
+    forward_all_reduces: int = 0
+    """All-reduces of its output in the forward (a row-wise split's partial sums)."""
+    backward_all_reduces: int = 0
+    """All-reduces of its input's gradient in the backward (a column-wise split of a whole input)."""
+    forward_all_gathers: int = 0
+    """All-gathers of its output in the forward (a column-wise split whose output is made whole: the logits)."""
+
+
+def _whole(layouts: object) -> bool:
+    placements = layouts if isinstance(layouts, tuple) else (layouts,)
+    return all(isinstance(p, Replicate) for p in placements)
+
+
+def _of(styles: Iterable[ParallelStyle]) -> LayerTraffic:
+    forward = backward = gathers = 0
+    for style in styles:
+        inputs = getattr(style, "input_layouts", None)
+        outputs = getattr(style, "output_layouts", None)
+        if isinstance(style, RowwiseParallel) and _whole(outputs):
+            forward += 1  # partial sums made whole
+        if isinstance(style, ColwiseParallel):
+            if _whole(inputs):
+                backward += 1  # the whole input's gradient, summed over the ranks
+            if _whole(outputs):
+                gathers += 1
+        elif not isinstance(style, RowwiseParallel | ColwiseParallel):
+            raise ValueError(f"the planner cannot cost the tensor-parallel style {type(style).__name__}")
+    return LayerTraffic(True, forward, backward, gathers)
+
+
+def layer_traffic(layers: Sequence[Layer], plan: TensorParallelPlan, tp: int) -> tuple[LayerTraffic, ...] | str:
+    """Each layer's :class:`LayerTraffic` under ``plan`` over ``tp`` ranks, or why ``plan`` cannot split them."""
+    out = []
+    for layer in layers:
+        try:
+            styles = plan(layer.name, layer.module, tp)
+        except ValueError as err:
+            return str(err)
+        if not styles:
+            out.append(LayerTraffic(False))
+            continue
+        many = styles.values() if isinstance(styles, Mapping) else (styles,)
+        out.append(_of(many))
+    return tuple(out)
+
+
+def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float, *, all_reduce: bool) -> float:
+    """A ring all-reduce (or all-gather) of ``nbytes`` over ``ranks``: ``2 (n-1)/n`` (or ``(n-1)/n``) of it on the
+    wire at ``bandwidth``, after ``latency``."""
+    if ranks == 1:
+        return 0.0
+    share = (ranks - 1) / ranks * (2 if all_reduce else 1)
+    return latency + share * nbytes / bandwidth
