@@ -1,0 +1,205 @@
+"""How well ``stagewise plan`` predicts sharded layouts on this machine: pp2 x fsdp2 and pp2 x tp2 on 4 gloo ranks.
+
+The cluster is measured first, on the 4 ranks: the ring bandwidth and latency of gloo's all-reduce between two
+of them (what FSDP's and tensor parallelism's collectives run on here), and the layers' times profiled by 4
+processes at once (``stagewise plan --profile --profile-ranks 4``), as the 4 training ranks share the cores. The
+planner evaluates each layout (1F1B, ``--microbatches``); ``train`` then runs it with the planner's partition.
+Each rank measures its median step time and its memory at its fullest: the training state it holds between steps
+(its shards of the parameters, their gradients and AdamW's state), the whole parameters and gradients FSDP holds
+during a step, and the most bytes autograd saved for backward at once (every tensor's storage once, the
+parameters excluded). One JSON line per layout: predicted, measured and their ratio, for the step and for each
+rank's memory (the planner's state plus saved activations, without the loss's moment of working tensors, which
+neither side counts here).
+
+    python benchmarks/shard_plan_fidelity.py [--preset gpt-small] [--batch 8] [--seq-len 128] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from shard_memory import held_bytes
+from torch.distributed.tensor import DTensor
+
+from stagewise.comm import launch
+from stagewise.pipeline import Pipeline
+from stagewise.pipeline.fully_sharded import ShardedStages
+from stagewise.plan import Option, evaluate
+from stagewise.plan.cluster import Cluster, Device
+from stagewise.plan.workload import preset_model, workload_under_load
+from stagewise.run import TrainConfig, build_pipeline
+
+LAYOUTS = ((2, 1, 2, 1), (2, 1, 1, 2))
+"""(pp, dp, fsdp, tp)."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def ring() -> dict[str, float]:
+    """gloo's all-reduce between ranks 0 and 1 (2 and 3 alongside): latency, and the ring bandwidth per rank."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+
+    def seconds(numel: int, repeats: int) -> float:
+        x = torch.ones(numel)
+        dist.all_reduce(x, group=pair)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            dist.all_reduce(x, group=pair)
+            times.append(time.perf_counter() - began)
+        return statistics.median(times)
+
+    latency = seconds(1, 50)
+    size = 4 * 2**20  # 16 MiB of fp32
+    bandwidth = (4 * size) / (seconds(size, 10) - latency)  # 2 ranks: 2 (n-1)/n = 1 of the bytes each way
+    dist.destroy_process_group()
+    return {"latency": latency, "bandwidth": bandwidth}
+
+
+@contextmanager
+def saved_peak(pipe: Pipeline) -> Iterator[list[int]]:
+    """The most bytes autograd keeps for backward at once during the block (each storage once; the parameters,
+    whole or sharded, left out)."""
+    state = [0, 0]
+    live: dict[int, int] = {}
+    weights: set[int] = set()
+
+    def drop(key: int, size: int) -> None:
+        live[key] -= 1
+        if not live[key]:
+            del live[key]
+            state[0] -= size
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not weights:  # during the step: the parameters the layers read now (FSDP's whole ones)
+            weights.update(_local(p).untyped_storage().data_ptr() for s in pipe.stages.values() for p in s.parameters())
+        storage = _local(t).untyped_storage()
+        key, size = storage.data_ptr(), storage.nbytes()
+        if key in weights:
+            return t
+        if key not in live:
+            live[key] = 0
+            state[0] += size
+            state[1] = max(state[1], state[0])
+        live[key] += 1
+        weakref.finalize(t, drop, key, size)
+        return t
+
+    peak = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield peak
+    peak[0] = state[1]
+
+
+TRACKED = 2
+"""The last steps run with autograd's saved-tensor hooks to measure activations; the others are timed."""
+
+
+def measured(config: TrainConfig) -> dict[str, Any]:
+    """One rank of ``config``'s layout training AdamW steps with clipping on random tokens: its step times, the
+    state it holds between steps with the whole copies FSDP adds during one, and its peak saved activations."""
+    torch.set_num_threads(1)
+    whole: list[int] = []
+    reduce = ShardedStages.reduce
+
+    def counting(self: ShardedStages) -> None:  # the whole parameters and gradients, just before they go
+        tensors = [p for s in self.stages.values() for p in s.parameters()]
+        tensors += [p.grad for p in tensors if p.grad is not None]
+        whole.append(sum(_local(t).untyped_storage().nbytes() for t in tensors))
+        reduce(self)
+
+    ShardedStages.reduce = counting  # type: ignore[method-assign]
+    pipe = build_pipeline(config)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 50304, (config.batch_size, config.seq_len + 1), generator=g)
+    share = config.batch_size // pipe.mesh.layout.batch_shards
+    mine = data[pipe.mesh.batch_index * share : (pipe.mesh.batch_index + 1) * share]
+    times, held, peaks = [], [], []
+    for step in range(config.steps):
+        if step:
+            held.append(held_bytes(list(pipe.parameters()), optimizer))
+        began = time.perf_counter()
+        optimizer.zero_grad()
+        tracked = step >= config.steps - TRACKED
+        with saved_peak(pipe) if tracked else nullcontext([0]) as peak:
+            pipe.step(mine[:, :-1], mine[:, 1:])
+        pipe.clip_grad_norm_(1.0)
+        optimizer.step()
+        if tracked:
+            peaks.append(peak[0])
+        else:
+            times.append(time.perf_counter() - began)
+    pipe.close()
+    dist.destroy_process_group()
+    return {"steps": times, "saved": max(peaks), "state": max(held) + (max(whole) if whole else 0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt-small")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    ns = parser.parse_args()
+    link = launch(ring, 4)[0]
+    for pp, dp, fsdp, tp in LAYOUTS:
+        shards = dp * fsdp
+        m = ns.microbatches
+        work = workload_under_load(
+            preset_model, (ns.preset, ns.batch // shards // m, ns.seq_len), concurrent=4, global_batch=ns.batch,
+            measure_on="cpu",
+        )  # fmt: skip
+        cluster = Cluster(
+            (Device(64 * 2**30, 1e11),) * 4, link_bandwidth=1.5e9, link_latency=link["latency"],
+            network_bandwidth=link["bandwidth"], gpus_per_node=4, intra_node_bandwidth=link["bandwidth"],
+        )  # fmt: skip
+        layout = Option(pp, dp, 1, m, "1f1b", False, fsdp=fsdp, tp=tp)
+        option = evaluate(layout, work, cluster)
+        assert option.partition is not None, option.rejected
+        held = tuple(dataclasses.replace(c, working_bytes=0) for c in work.costs)
+        saved = evaluate(layout, dataclasses.replace(work, costs=held, loss_bytes=None), cluster).rank_activation
+        state = [total - acts for total, acts in zip(option.rank_memory, option.rank_activation, strict=True)]
+        config = TrainConfig(
+            model=ns.preset, stages=pp, dp=dp, fsdp=fsdp, tp=tp, microbatches=m, batch_size=ns.batch,
+            seq_len=ns.seq_len, steps=ns.steps, warmup=1, eval_every=0, partition=option.partition.bounds, clip=1.0,
+            checkpoint_dir=None,
+        )  # fmt: skip
+        ranks = launch(measured, 4, config)
+        step = statistics.median(ranks[0]["steps"][2:])
+        rows = []
+        for r in range(4):
+            stage = r // (4 // pp)
+            predicted = state[stage] + saved[stage]
+            got = ranks[r]["state"] + ranks[r]["saved"]
+            rows.append({
+                "rank": r, "predicted_mib": round(predicted / 2**20, 1), "measured_mib": round(got / 2**20, 1),
+                "ratio": round(predicted / got, 3), "state_ratio": round(state[stage] / ranks[r]["state"], 3),
+                "saved_ratio": round(saved[stage] / ranks[r]["saved"], 3),
+            })  # fmt: skip
+        print(json.dumps({
+            "bench": "shard_plan_fidelity", "preset": ns.preset, "layout": option.describe(),
+            "partition": list(option.partition.bounds), "ring": link,
+            "predicted_step_s": round(option.step_time, 4), "measured_step_s": round(step, 4),
+            "step_ratio": round(option.step_time / step, 3), "memory": rows,
+        }), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
