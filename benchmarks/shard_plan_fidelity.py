@@ -1,7 +1,8 @@
 """How well ``stagewise plan`` predicts sharded layouts on this machine: pp2 x fsdp2 and pp2 x tp2 on 4 gloo ranks.
 
 The cluster is measured first, on the 4 ranks: the ring bandwidth and latency of gloo's all-reduce between two
-of them (what FSDP's and tensor parallelism's collectives run on here), and the layers' times profiled by 4
+of them (what tensor parallelism's collectives run on here), the bandwidth of its all-gather and reduce-scatter
+of 64 MiB shards (FSDP's; gloo's run at about a quarter of its all-reduce's), and the layers' times profiled by 4
 processes at once (``stagewise plan --profile --profile-ranks 4``), as the 4 training ranks share the cores. The
 planner evaluates each layout (1F1B, ``--microbatches``); ``train`` then runs it with the planner's partition.
 Each rank measures its median step time and its memory at its fullest: the training state it holds between steps
@@ -39,9 +40,6 @@ from stagewise.plan.cluster import Cluster, Device
 from stagewise.plan.workload import preset_model, workload_under_load
 from stagewise.run import TrainConfig, build_pipeline
 
-LAYOUTS = ((2, 1, 2, 1), (2, 1, 1, 2))
-"""(pp, dp, fsdp, tp)."""
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
@@ -67,8 +65,16 @@ def ring() -> dict[str, float]:
     latency = seconds(1, 50)
     size = 4 * 2**20  # 16 MiB of fp32
     bandwidth = (4 * size) / (seconds(size, 10) - latency)  # 2 ranks: 2 (n-1)/n = 1 of the bytes each way
+    shard = torch.ones(16 * 2**20)  # 64 MiB: FSDP's collectives move a stage's parameters at once
+    whole = torch.empty(2 * shard.numel())
+    dist.all_gather_into_tensor(whole, shard, group=pair)
+    began = time.perf_counter()
+    for _ in range(3):
+        dist.all_gather_into_tensor(whole, shard, group=pair)
+        dist.reduce_scatter_tensor(shard, whole, group=pair)
+    sharding = 6 * 4 * shard.numel() / (time.perf_counter() - began)  # each moves the shard's bytes, 2 ranks
     dist.destroy_process_group()
-    return {"latency": latency, "bandwidth": bandwidth}
+    return {"latency": latency, "bandwidth": bandwidth, "sharding_bandwidth": sharding}
 
 
 @contextmanager
@@ -157,9 +163,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--layouts", default="2x1x2x1,2x1x1x2", help="pp x dp x fsdp x tp, comma-separated")
     ns = parser.parse_args()
     link = launch(ring, 4)[0]
-    for pp, dp, fsdp, tp in LAYOUTS:
+    for pp, dp, fsdp, tp in (tuple(int(v) for v in text.split("x")) for text in ns.layouts.split(",")):
         shards = dp * fsdp
         m = ns.microbatches
         work = workload_under_load(
@@ -169,6 +176,7 @@ def main() -> None:
         cluster = Cluster(
             (Device(64 * 2**30, 1e11),) * 4, link_bandwidth=1.5e9, link_latency=link["latency"],
             network_bandwidth=link["bandwidth"], gpus_per_node=4, intra_node_bandwidth=link["bandwidth"],
+            sharding_bandwidth=link["sharding_bandwidth"],
         )  # fmt: skip
         layout = Option(pp, dp, 1, m, "1f1b", False, fsdp=fsdp, tp=tp)
         option = evaluate(layout, work, cluster)

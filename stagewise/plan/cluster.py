@@ -44,12 +44,18 @@ class Cluster:
     intra_node_bandwidth: float = 300e9
     """Bytes per second each device sends in a ring collective within a node (NVLink class; tensor parallelism's
     all-reduces, and FSDP's collectives where their group fits in a node)."""
+    sharding_bandwidth: float | None = None
+    """Bytes per second of FSDP's all-gather and reduce-scatter per device (of its shard), where they run slower
+    than the ring bandwidth of their group (gloo's, about a quarter of its all-reduce's); None: that bandwidth, as
+    NCCL's do."""
 
     def __post_init__(self) -> None:
         if not self.devices:
             raise ValueError("a cluster needs at least one device")
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}")
+        if self.sharding_bandwidth is not None and not 0 < self.sharding_bandwidth < math.inf:
+            raise ValueError(f"sharding_bandwidth must be positive and finite or None, got {self.sharding_bandwidth}")
         for name in ("link_bandwidth", "network_bandwidth", "intra_node_bandwidth"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite, got {getattr(self, name)}")

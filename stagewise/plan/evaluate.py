@@ -344,7 +344,7 @@ def _sync_seconds(rank_params: Sequence[int], option: Option, cluster: Cluster) 
     replicas = cluster.bandwidth(option.ranks_per_stage)
     if fsdp == 1:
         return ring_seconds(largest, dp, replicas, cluster.link_latency, all_reduce=True) if dp > 1 else 0.0
-    shards = cluster.bandwidth(fsdp * tp)
+    shards = cluster.sharding_bandwidth or cluster.bandwidth(fsdp * tp)
     gather = ring_seconds(largest, fsdp, shards, cluster.link_latency, all_reduce=False)
     across = ring_seconds(largest / fsdp, dp, replicas, cluster.link_latency, all_reduce=True) if dp > 1 else 0.0
     return 2 * gather + across
