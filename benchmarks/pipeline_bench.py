@@ -43,7 +43,7 @@ import json
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
@@ -81,10 +82,18 @@ def model(d: int, n_layers: int) -> nn.Sequential:
     return nn.Sequential(*(Block(d) for _ in range(n_layers)))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @contextmanager
-def saved_bytes(params: Iterator[nn.Parameter]) -> Iterator[list[int]]:
-    """Track the peak bytes kept for backward (the parameters excluded): saved by autograd or for pooled gradients."""
-    weights = {p.untyped_storage().data_ptr() for p in params}
+def saved_bytes(params: Callable[[], Iterable[nn.Parameter]]) -> Iterator[list[int]]:
+    """Track the peak bytes kept for backward (the parameters excluded): saved by autograd or for pooled gradients.
+
+    ``params()`` is asked at the first tensor saved, so that it names the parameters the layers read then (FSDP's
+    whole ones during a step); a sharded tensor counts by its local shard.
+    """
+    weights: set[int] = set()
     state = [0, 0]  # live, peak
     live: dict[int, int] = {}
 
@@ -95,7 +104,9 @@ def saved_bytes(params: Iterator[nn.Parameter]) -> Iterator[list[int]]:
             state[0] -= size
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
+        if not weights:
+            weights.update(_local(p).untyped_storage().data_ptr() for p in params())
+        storage = _local(t).untyped_storage()
         key, size = storage.data_ptr(), storage.nbytes()
         if key in weights:
             return t
@@ -278,7 +289,7 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing)
                         samples[name].append(time.perf_counter() - start)
         memory = {}
         for schedule, pipe in pipes.items():
-            with saved_bytes(pipe.parameters()) as peak:
+            with saved_bytes(pipe.parameters) as peak:
                 _stagewise_step(pipe, x, y)
             memory[f"stagewise_{schedule}"] = peak[0]
         times = {name: statistics.median(v) for name, v in samples.items()}

@@ -67,7 +67,7 @@ def measured(config: TrainConfig) -> dict[str, Any]:
             calls[0] += 1
             if calls[0] <= config.steps - TRACKED:
                 return step(inputs, targets)
-            with saved_bytes(pipe.parameters()) as peak:
+            with saved_bytes(pipe.parameters) as peak:
                 loss = step(inputs, targets)
             peaks.append(peak[0])
             return loss

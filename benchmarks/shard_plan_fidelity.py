@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
-import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from pipeline_bench import saved_bytes
 from shard_memory import held_bytes
 from torch.distributed.tensor import DTensor
 
@@ -43,6 +43,11 @@ from stagewise.run import TrainConfig, build_pipeline
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _held(pipe: Pipeline) -> list[torch.nn.Parameter]:
+    """The parameters the stages' layers read now: FSDP's whole ones during a step."""
+    return [p for stage in pipe.stages.values() for p in stage.parameters()]
 
 
 def ring() -> dict[str, float]:
@@ -77,41 +82,6 @@ def ring() -> dict[str, float]:
     return {"latency": latency, "bandwidth": bandwidth, "sharding_bandwidth": sharding}
 
 
-@contextmanager
-def saved_peak(pipe: Pipeline) -> Iterator[list[int]]:
-    """The most bytes autograd keeps for backward at once during the block (each storage once; the parameters,
-    whole or sharded, left out)."""
-    state = [0, 0]
-    live: dict[int, int] = {}
-    weights: set[int] = set()
-
-    def drop(key: int, size: int) -> None:
-        live[key] -= 1
-        if not live[key]:
-            del live[key]
-            state[0] -= size
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not weights:  # during the step: the parameters the layers read now (FSDP's whole ones)
-            weights.update(_local(p).untyped_storage().data_ptr() for s in pipe.stages.values() for p in s.parameters())
-        storage = _local(t).untyped_storage()
-        key, size = storage.data_ptr(), storage.nbytes()
-        if key in weights:
-            return t
-        if key not in live:
-            live[key] = 0
-            state[0] += size
-            state[1] = max(state[1], state[0])
-        live[key] += 1
-        weakref.finalize(t, drop, key, size)
-        return t
-
-    peak = [0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield peak
-    peak[0] = state[1]
-
-
 TRACKED = 2
 """The last steps run with autograd's saved-tensor hooks to measure activations; the others are timed."""
 
@@ -143,7 +113,7 @@ def measured(config: TrainConfig) -> dict[str, Any]:
         began = time.perf_counter()
         optimizer.zero_grad()
         tracked = step >= config.steps - TRACKED
-        with saved_peak(pipe) if tracked else nullcontext([0]) as peak:
+        with saved_bytes(functools.partial(_held, pipe)) if tracked else nullcontext([0]) as peak:
             pipe.step(mine[:, :-1], mine[:, 1:])
         pipe.clip_grad_norm_(1.0)
         optimizer.step()
