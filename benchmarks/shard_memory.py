@@ -85,8 +85,7 @@ def rank_bytes(model: str, layouts: list[tuple[int, int, int, int]]) -> list[dic
         )  # fmt: skip
         optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
         ids, targets = batch()
-        share = BATCH // mesh.layout.batch_shards
-        mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+        mine = mesh.share(BATCH)
         pipe.step(ids[mine], targets[mine])
         optimizer.step()
         held = {id(q): q.numel() for s in pipe.stages for i in part.layers(s) for q in layers[i].module.parameters()}

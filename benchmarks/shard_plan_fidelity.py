@@ -104,8 +104,7 @@ def measured(config: TrainConfig) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 50304, (config.batch_size, config.seq_len + 1), generator=g)
-    share = config.batch_size // pipe.mesh.layout.batch_shards
-    mine = data[pipe.mesh.batch_index * share : (pipe.mesh.batch_index + 1) * share]
+    mine = data[pipe.mesh.share(config.batch_size)]
     times, held, peaks = [], [], []
     for step in range(config.steps):
         if step:

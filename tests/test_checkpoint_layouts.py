@@ -83,8 +83,7 @@ class Trainer:
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor) -> float:
         mesh = self.pipe.mesh
-        share = BATCH // mesh.layout.batch_shards
-        mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+        mine = mesh.share(BATCH)
         self.optimizer.zero_grad()
         loss = self.pipe.step(ids[mine], targets[mine]).item()
         self.pipe.clip_grad_norm_(0.05)
@@ -128,8 +127,7 @@ def save_and_move(root: Path, exported: Path) -> dict[str, Any]:
 
 def _mine(trainer: Trainer, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     mesh = trainer.pipe.mesh
-    share = BATCH // mesh.layout.batch_shards
-    mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+    mine = mesh.share(BATCH)
     return batch[0][mine], batch[1][mine]
 
 

@@ -10,7 +10,8 @@ from stagewise.comm.launch import (
     launch_module,
 )
 from stagewise.comm.launch_failures import LaunchError, RankFailure
-from stagewise.comm.mesh import Backend, Coords, Layout, PipelineMesh, choose_backend, init_mesh
+from stagewise.comm.layout import Coords, Layout
+from stagewise.comm.mesh import Backend, PipelineMesh, choose_backend, init_mesh, world_group
 from stagewise.comm.meta import TensorMeta
 from stagewise.comm.payload import Payload, PayloadLayout, as_tensors
 from stagewise.comm.receiving import Receiving
@@ -46,4 +47,5 @@ __all__ = [
     "launch",
     "launch_module",
     "named_collective",
+    "world_group",
 ]

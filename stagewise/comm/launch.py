@@ -28,7 +28,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from typing_extensions import Unpack
 
 from stagewise.comm.launch_failures import LaunchError, failures_of, report
-from stagewise.comm.mesh import Layout
+from stagewise.comm.layout import Layout
 
 T = TypeVar("T")
 

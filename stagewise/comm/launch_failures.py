@@ -13,7 +13,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
 
-from stagewise.comm.mesh import Layout
+from stagewise.comm.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]  # public, not re-exported
 from torch.distributed.device_mesh import DeviceMesh
 
+from stagewise.comm.layout import DIMENSIONS, Coords, Layout, layout_for
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 
 log = logging.getLogger(__name__)
@@ -21,127 +22,6 @@ Backend = Literal["gloo", "nccl"]
 """The process-group backends stagewise uses: gloo on CPU, NCCL on GPU."""
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _check_dim(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-DIMENSIONS = ("pp", "dp", "fsdp", "tp")
-"""The mesh's dimensions, outermost first: pipeline stages, data-parallel replicas, fully-sharded data
-parallelism within a replica, tensor parallelism within a layer (innermost, so its group stays within a node)."""
-
-
-@dataclass(frozen=True)
-class Coords:
-    """Where a rank sits: its pipeline stage, its data-parallel replica, its shard of the stage's parameters
-    (FSDP) and its slice of each layer (tensor parallelism)."""
-
-    stage: int
-    replica: int
-    shard: int = 0
-    """Its place among the ranks that shard the stage's parameters (the ``fsdp`` dimension)."""
-    tp_rank: int = 0
-    """Its place among the ranks that split each layer of the stage (the ``tp`` dimension)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The ``pp x dp x fsdp x tp`` grid of ranks, pipeline outermost and tensor parallelism innermost:
-    ``rank = ((stage * dp + replica) * fsdp + shard) * tp + tp_rank``.
-
-    Every rank with the same ``(replica, shard, tp_rank)`` forms one pipeline (a *line*, numbered
-    ``(replica * fsdp + shard) * tp + tp_rank``): activations travel along it. The ``dp x fsdp`` ranks of a
-    stage with the same ``tp_rank`` each take their own share of the global batch; the ``tp`` ranks of a
-    shard take the same share and split each layer.
-    """
-
-    pp: int
-    """Pipeline stages (the depth of each pipeline)."""
-    dp: int
-    """Data-parallel replicas of each stage: each holds the stage whole (or, with ``fsdp``, sharded)."""
-    fsdp: int = 1
-    """Ranks each replica shards its stages' parameters, gradients and optimizer state over (FSDP)."""
-    tp: int = 1
-    """Ranks each layer's matmuls are split over (tensor parallelism)."""
-
-    def __post_init__(self) -> None:
-        for name in DIMENSIONS:
-            _check_dim(name, getattr(self, name))
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.tp
-
-    @property
-    def lines(self) -> int:
-        """Pipelines: the ranks of each stage, ``dp * fsdp * tp``."""
-        return self.dp * self.fsdp * self.tp
-
-    @property
-    def batch_shards(self) -> int:
-        """Ranks of a stage that each take their own share of the global batch: ``dp * fsdp``."""
-        return self.dp * self.fsdp
-
-    def describe(self) -> str:
-        """``pp=2 x dp=1 x fsdp=2 x tp=1``, or ``pp=2 x dp=2`` when nothing is sharded."""
-        names = DIMENSIONS if self.fsdp * self.tp > 1 else DIMENSIONS[:2]
-        return " x ".join(f"{name}={getattr(self, name)}" for name in names)
-
-    def coords(self, rank: int) -> Coords:
-        """The place of global ``rank``."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside a {self.describe()} mesh of {self.world_size}")
-        rest, tp_rank = divmod(rank, self.tp)
-        rest, shard = divmod(rest, self.fsdp)
-        stage, replica = divmod(rest, self.dp)
-        return Coords(stage=stage, replica=replica, shard=shard, tp_rank=tp_rank)
-
-    def rank(self, stage: int, replica: int, shard: int = 0, tp_rank: int = 0) -> int:
-        """The global rank at ``(stage, replica, shard, tp_rank)``."""
-        if not (0 <= stage < self.pp and 0 <= replica < self.dp and 0 <= shard < self.fsdp and 0 <= tp_rank < self.tp):
-            where = f"(stage {stage}, replica {replica}" + (
-                f", shard {shard}, tp rank {tp_rank})" if self.fsdp * self.tp > 1 else ")"
-            )
-            raise ValueError(f"{where} is outside a {self.describe()} mesh")
-        return ((stage * self.dp + replica) * self.fsdp + shard) * self.tp + tp_rank
-
-    def line(self, rank: int) -> int:
-        """The pipeline ``rank`` belongs to, ``0 .. lines - 1`` (its replica when nothing is sharded)."""
-        self.coords(rank)
-        return rank % self.lines
-
-    def at(self, stage: int, line: int) -> int:
-        """The global rank running ``stage`` in pipeline ``line``."""
-        if not (0 <= stage < self.pp and 0 <= line < self.lines):
-            raise ValueError(f"(stage {stage}, pipeline {line}) is outside a {self.describe()} mesh")
-        return stage * self.lines + line
-
-    def batch_index(self, rank: int) -> int:
-        """Which of the :attr:`batch_shards` shares of the global batch ``rank`` takes."""
-        c = self.coords(rank)
-        return c.replica * self.fsdp + c.shard
-
-    def next_rank(self, rank: int) -> int | None:
-        """The rank of the next stage in the same pipeline, or None on the last stage."""
-        c = self.coords(rank)
-        return rank + self.lines if c.stage + 1 < self.pp else None
-
-    def prev_rank(self, rank: int) -> int | None:
-        """The rank of the previous stage in the same pipeline, or None on the first stage."""
-        c = self.coords(rank)
-        return rank - self.lines if c.stage > 0 else None
-
-    def pipeline_ranks(self, line: int) -> tuple[int, ...]:
-        """The ranks of pipeline ``line``, stage 0 first."""
-        return tuple(self.at(s, line) for s in range(self.pp))
-
-    def replica_ranks(self, stage: int, shard: int = 0, tp_rank: int = 0) -> tuple[int, ...]:
-        """The ranks holding copies of one stage's shard: its data-parallel group."""
-        return tuple(self.rank(stage, r, shard, tp_rank) for r in range(self.dp))
 
 
 @dataclass(frozen=True)
@@ -182,6 +62,18 @@ class PipelineMesh:
     def batch_index(self) -> int:
         """Which share of the global batch this rank's pipeline takes (see :attr:`Layout.batch_shards`)."""
         return self.layout.batch_index(self.rank)
+
+    def share(self, global_batch: int) -> slice:
+        """This rank's share of a global batch of ``global_batch`` samples: its pipeline's, one of
+        :attr:`Layout.batch_shards` equal shares in :attr:`batch_index` order (``tp`` ranks take the same one)."""
+        shards = self.layout.batch_shards
+        if global_batch % shards:
+            raise ValueError(
+                f"a global batch of {global_batch} does not divide into the {shards} shares of dp x fsdp = "
+                f"{self.layout.dp} x {self.layout.fsdp}; use a multiple of {shards}"
+            )
+        size = global_batch // shards
+        return slice(self.batch_index * size, (self.batch_index + 1) * size)
 
     @property
     def prev_rank(self) -> int | None:
@@ -278,36 +170,8 @@ def choose_backend(local_world_size: int) -> Backend:
     return "gloo"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fill(pp: int | None, dp: int | None, world: int, fsdp: int, tp: int) -> Layout:
-    """The layout for ``world`` processes, a ``None`` one of ``pp`` and ``dp`` being the world size over the
-    other dimensions (both None: one pipeline over what ``fsdp x tp`` leaves)."""
-    _check_dim("fsdp", fsdp)
-    _check_dim("tp", tp)
-    inner = fsdp * tp
-    if pp is not None and dp is not None:
-        return Layout(pp, dp, fsdp, tp)
-    if pp is None and dp is None:
-        dp = 1
-    name, other, given = ("pp", "dp", pp) if dp is None else ("dp", "pp", dp)
-    assert given is not None
-    _check_dim(name, given)
-    if world % (given * inner):
-        fits = [d for d in _divisors(world) if world % (d * inner) == 0] if world % inner == 0 else []
-        sharded = f" x fsdp={fsdp} x tp={tp}" if inner > 1 else ""
-        fix = f"choose {name} among {fits}" if fits else f"choose fsdp x tp among the divisors {_divisors(world)}"
-        raise ValueError(
-            f"{name}={given}{sharded} does not divide the world size {world}, so no {other} fits; "
-            f"{fix}, or launch a multiple of {given * inner} processes"
-        )
-    rest = world // (given * inner)
-    return Layout(given, rest, fsdp, tp) if name == "pp" else Layout(rest, given, fsdp, tp)
-
-
-def _world() -> dist.ProcessGroup:
+def world_group() -> dist.ProcessGroup:
+    """The default process group (initialised: by :func:`init_mesh`, or before it)."""
     group = dist.group.WORLD
     assert group is not None  # initialised before any mesh is built
     return group
@@ -333,7 +197,7 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: f
 
     def group_of(lines: list[list[int]]) -> dist.ProcessGroup:
         if world and len(lines) == 1:  # the whole world: the default group, made with the same bound
-            return _world()
+            return world_group()
         found: dist.ProcessGroup | None = None
         for ranks in lines:  # every rank makes every group, in the same order
             group = dist.new_group(ranks, timeout=timedelta(seconds=wait), backend=backend)
@@ -363,18 +227,6 @@ def _joined() -> tuple[int, int]:
             "or stagewise.comm.launch"
         )
     return _env_int("WORLD_SIZE"), _env_int("RANK")
-
-
-def _layout(pp: int | None, dp: int | None, world: int, fsdp: int, tp: int) -> Layout:
-    """The layout of ``world`` processes (see :func:`_fill`), refused unless it covers them all."""
-    layout = _fill(pp, dp, world, fsdp, tp)
-    if layout.world_size != world:
-        names = "pp and dp" if layout.fsdp * layout.tp == 1 else "pp, dp, fsdp and tp"
-        raise ValueError(
-            f"{layout.describe()} = {layout.world_size} processes, but the world size is {world}; "
-            f"choose {names} whose product is {world}, or launch {layout.world_size} processes"
-        )
-    return layout
 
 
 def _backend_and_device(backend: Backend | None, world: int) -> tuple[Backend, torch.device]:
@@ -451,7 +303,7 @@ def init_mesh(
     if backend not in (None, *get_args(Backend)):
         raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
     world, rank = _joined()
-    layout = _layout(pp, dp, world, fsdp, tp)
+    layout = layout_for(pp, dp, world, fsdp, tp)
     chosen, device = _backend_and_device(backend, world)
     made = not dist.is_initialized()
     if made:

@@ -38,7 +38,7 @@ def _vocabulary(rows: int, tp: int) -> None:
 
 
 def plan(name: str, module: nn.Module, tp: int) -> Mapping[str, ParallelStyle] | ParallelStyle | None:
-    """A :data:`~stagewise.pipeline.tensor_parallel.TensorParallelPlan` for :class:`~stagewise.models.gpt.GPT`.
+    """A :data:`~stagewise.pipeline.TensorParallelPlan` for :class:`~stagewise.models.gpt.GPT`.
 
     Blocks split as :func:`block_plan` says. The vocabulary is split too: the token embedding's rows (each rank
     looks up the ids in its rows, and the embeddings are all-reduced) and the LM head's (each rank computes its

@@ -2,7 +2,14 @@
 
 from stagewise.pipeline.batch_norm import BatchNormStatistics
 from stagewise.pipeline.clip import clip_grad_norm_
-from stagewise.pipeline.config import Compute, DataParallel, Diagnostics, FullySharded, PipelineOptions
+from stagewise.pipeline.config import (
+    Compute,
+    DataParallel,
+    Diagnostics,
+    FullySharded,
+    PipelineOptions,
+    TensorParallelPlan,
+)
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.interop import torch_pipe
 from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
@@ -12,7 +19,6 @@ from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.pretrained import PretrainedError, PretrainedLoad, load_pretrained, weight_files
 from stagewise.pipeline.stage import StageError
-from stagewise.pipeline.tensor_parallel import TensorParallelPlan
 
 __all__ = [
     "Batch",

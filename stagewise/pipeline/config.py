@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
 import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from stagewise.partition import Layer, Partition
 from stagewise.pipeline.batch_norm import CHOICES, BatchNormStatistics
@@ -15,10 +17,17 @@ from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.materialise import Initialiser
 from stagewise.pipeline.microbatch import LossFn, LossReduction
 from stagewise.pipeline.nonfinite import NonFinite
-from stagewise.pipeline.tensor_parallel import TensorParallelPlan
 from stagewise.schedule.actions import Schedule
 from stagewise.schedule.builders import ScheduleName, build
 from stagewise.schedule.validate import validate
+
+TensorParallelPlan = Callable[[str, nn.Module, int], Mapping[str, ParallelStyle] | ParallelStyle | None]
+"""``plan(name, module, tp)``: how to split the layer ``name`` (as :func:`~stagewise.partition.layers_of` names
+it: ``blocks.3``) over ``tp`` ranks, as ``parallelize_module`` takes it: a style for the layer's ``module``
+itself, or submodule names relative to it mapped to styles (torch's ``ColwiseParallel``, ``RowwiseParallel``,
+...); None leaves the layer whole on every ``tp`` rank (replicated: each computes the same). A plan that cannot
+split the layer over ``tp`` ranks raises ``ValueError`` saying what would fit. The layers' outputs must be whole
+(replicated) tensors, as a row-wise split's are, since they travel to the next stage as they are."""
 
 CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 """A DDP communication hook: ``hook(state, bucket)`` returns a future of the reduced bucket."""
@@ -167,7 +176,7 @@ class PipelineOptions:
     (``fsdp > 1``), else not at all."""
     tensor_parallel: TensorParallelPlan | None = None
     """Which modules of each layer are split over the mesh's ``tp`` ranks, and how (a
-    :data:`~stagewise.pipeline.tensor_parallel.TensorParallelPlan`, e.g. :func:`stagewise.models.gpt_parallel.plan`
+    :data:`~stagewise.pipeline.TensorParallelPlan`, e.g. :func:`stagewise.models.gpt_parallel.plan`
     for stagewise's GPT); needed when the mesh has ``tp > 1``."""
     batch_norm: BatchNormStatistics = "auto"
     """Which batch moves the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)

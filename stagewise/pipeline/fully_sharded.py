@@ -24,11 +24,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from stagewise.comm import named_collective
+from stagewise.comm import Layout, PipelineMesh, named_collective
 from stagewise.pipeline.config import FullySharded
 from stagewise.pipeline.stage import StageModule
 
 log = logging.getLogger(__name__)
+
+
+def fully_sharded(given: FullySharded | None, layout: Layout) -> FullySharded | None:
+    """How stages are sharded: ``given`` (``PipelineOptions.fully_sharded``) where given, ``FullySharded()`` where
+    the mesh shards (``fsdp > 1``) or replicates tensor-parallel stages (``tp > 1`` with ``dp > 1``: DDP does not
+    take DTensors, FSDP's HSDP over a shard of one does the replicas' all-reduce); else None."""
+    if given is not None:
+        return given
+    return FullySharded() if layout.fsdp > 1 or (layout.tp > 1 and layout.dp > 1) else None
 
 
 class ShardedStages:
@@ -64,6 +73,13 @@ class ShardedStages:
         """Whether the stages' whole parameters are allocated (between :meth:`gather` and the end of the step)."""
         log.info("stages %s are sharded over %d ranks (%s)", list(self.units), mesh.size(), mesh.mesh_dim_names)
 
+    @classmethod
+    def over(cls, stages: dict[int, StageModule], mesh: PipelineMesh, config: FullySharded) -> ShardedStages:
+        """``stages`` sharded over ``mesh``'s ``fsdp`` ranks (HSDP over ``("dp", "fsdp")`` where ``dp > 1``), every
+        wait bounded by the mesh's timeout."""
+        names = ("dp", "fsdp") if mesh.layout.dp > 1 else ("fsdp",)
+        return cls(stages, mesh.device_mesh[names], config, timeout=mesh.timeout)
+
     def _peer(self) -> int:
         rank = dist.get_rank()
         return next((r for r in self.mesh.mesh.flatten().tolist() if r != rank), rank)
@@ -80,9 +96,7 @@ class ShardedStages:
             return
         with self._named("FSDP's all-gather of the stages' parameters"):
             for unit in self.units.values():
-                unit.set_requires_gradient_sync(False)
-                unit.set_reshard_after_backward(False)
-                unit.set_is_last_backward(False)
+                _last_backward(unit, False)
                 unit.unshard()
         self.gathered = True
 
@@ -93,14 +107,28 @@ class ShardedStages:
             return
         with self._named("FSDP's reduce-scatter of the stages' gradients"):
             for unit in self.units.values():
-                unit.set_requires_gradient_sync(True)
-                unit.set_reshard_after_backward(True)
-                unit.set_is_last_backward(True)
+                _last_backward(unit, True)
                 state = unit._get_fsdp_state()
                 for group in state._fsdp_param_groups:
                     group.post_backward()
                 state._root_post_backward_final_callback()
         self.gathered = False
+
+    @contextmanager
+    def gathering(self, *, reduce: bool) -> Iterator[None]:
+        """Within, the stages hold their whole parameters (:meth:`gather`); on leaving, their gradients are
+        reduce-scattered (``reduce``, a training step's end: :meth:`reduce`) or dropped (a forward-only pass, or a
+        failure: :meth:`release`)."""
+        self.gather()
+        try:
+            yield
+        except BaseException:
+            self.release()
+            raise
+        if reduce:
+            self.reduce()
+        else:
+            self.release()
 
     def release(self) -> None:
         """Free the whole parameters without reducing anything: after a forward-only pass, or a failed step
@@ -112,3 +140,11 @@ class ShardedStages:
                 param.grad = None
             unit.reshard()
         self.gathered = False
+
+
+def _last_backward(unit: FSDPModule, last: bool) -> None:
+    """Whether ``unit``'s next post-backward is the step's: reduce-scatter the gradients and free the whole
+    parameters (True), or keep both (False)."""
+    unit.set_requires_gradient_sync(last)
+    unit.set_reshard_after_backward(last)
+    unit.set_is_last_backward(last)

@@ -5,24 +5,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from stagewise.comm import Layout, Payload, PipelineMesh, Transport, as_tensors, init_mesh
+from stagewise.comm import Layout, Payload, PipelineMesh, Transport, as_tensors, init_mesh, world_group
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shared_parameters
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
 from stagewise.pipeline.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
 from stagewise.pipeline.clip import Counting, clip_grad_norm_, held_copies
-from stagewise.pipeline.config import DataParallel, FullySharded, PipelineOptions, checked_schedule
+from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
 from stagewise.pipeline.data_parallel import Replicas
 from stagewise.pipeline.executor import Executor, StepResult
-from stagewise.pipeline.fully_sharded import ShardedStages
+from stagewise.pipeline.fully_sharded import ShardedStages, fully_sharded
 from stagewise.pipeline.fusion import WeightGradientFusion
 from stagewise.pipeline.loss_sharing import Sharing, share_count, share_loss
 from stagewise.pipeline.materialise import Materialising, initialiser_of
@@ -30,8 +29,8 @@ from stagewise.pipeline.microbatch import LossFn, LossReduction, Microbatches, b
 from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_finite, skipped_step
 from stagewise.pipeline.parameters import HeldStages
 from stagewise.pipeline.stage import own_stages
-from stagewise.pipeline.tensor_parallel import parallelize, placed_like_parameters
-from stagewise.pipeline.tied_weights import Ties, retie
+from stagewise.pipeline.tensor_parallel import placed_like_parameters, split_stages
+from stagewise.pipeline.tied_weights import Ties
 from stagewise.pipeline.tokens import check_tokens, global_tokens, per_token, valid_tokens
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.builders import ScheduleName
@@ -53,7 +52,7 @@ def _fusion_in_effect(options: PipelineOptions, layout: Layout) -> WeightGradien
     parameters a replica used from their gradient hooks, which fused backwards skip) or parameters are sharded
     (FSDP's whole parameters and tensor parallelism's DTensors are not a fused op's to write)."""
     ddp, fusion = options.data_parallel, options.fuse_weight_gradients
-    if fusion is not None and (_fully_sharded(options, layout) is not None or layout.tp > 1):
+    if fusion is not None and (fully_sharded(options.fully_sharded, layout) is not None or layout.tp > 1):
         log.info("sharded stages: gradient accumulation left to autograd (no fusion)")
         return None
     if layout.dp > 1 and ddp is not None and ddp.find_unused_parameters:
@@ -61,21 +60,6 @@ def _fusion_in_effect(options: PipelineOptions, layout: Layout) -> WeightGradien
             log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
         return None
     return fusion
-
-
-def _world() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    assert group is not None  # a pipeline's mesh initialised it
-    return group
-
-
-def _fully_sharded(options: PipelineOptions, layout: Layout) -> FullySharded | None:
-    """How stages are sharded: ``options.fully_sharded`` where given, ``FullySharded()`` where the mesh shards
-    (``fsdp > 1``) or replicates tensor-parallel stages (``tp > 1`` with ``dp > 1``: DDP does not take DTensors,
-    FSDP's HSDP over a shard of one does the replicas' all-reduce); else None."""
-    if options.fully_sharded is not None:
-        return options.fully_sharded
-    return FullySharded() if layout.fsdp > 1 or (layout.tp > 1 and layout.dp > 1) else None
 
 
 class Pipeline(HeldStages):
@@ -230,23 +214,15 @@ class Pipeline(HeldStages):
         self.batch_norm: StatisticsSource = statistics_source(options.batch_norm, layers, self.n_microbatches)
         """Which batch moves the running statistics of the model's batch norms: ``options.batch_norm``, "auto"
         resolved for this model."""
-        self.tensor_parallel: list[str] = []
+        self.tensor_parallel: list[str] = (
+            split_stages(self.stages, layers, self._shared, self.mesh, options.tensor_parallel)
+            if self.mesh.layout.tp > 1
+            else []
+        )
         """The layers this rank's stages split over the mesh's ``tp`` ranks (see :mod:`.tensor_parallel`)."""
-        if self.mesh.layout.tp > 1:
-            for stage in self.stages.values():
-                self.tensor_parallel += parallelize(
-                    list(stage.layers), stage.names, self.mesh.device_mesh["tp"], options.tensor_parallel
-                )
-            # A style makes a parameter of its own: layers that share one (a tied embedding and head) share again.
-            bounds = self.partition.bounds
-            retie(layers, self._shared, {i for s in self.stages for i in range(bounds[s], bounds[s + 1])})
-            log.info("layers %s are split over %d tp ranks", self.tensor_parallel, self.mesh.layout.tp)
-        self.sharded: ShardedStages | None = None
+        sharding = fully_sharded(options.fully_sharded, self.mesh.layout)
+        self.sharded = None if sharding is None else ShardedStages.over(self.stages, self.mesh, sharding)
         """This rank's stages sharded by FSDP (see :class:`ShardedStages`); None: whole on every rank."""
-        sharding = _fully_sharded(options, self.mesh.layout)
-        if sharding is not None:
-            names = ("dp", "fsdp") if self.mesh.layout.dp > 1 else ("fsdp",)
-            self.sharded = ShardedStages(self.stages, self.mesh.device_mesh[names], sharding, timeout=self.mesh.timeout)
 
     def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
         """The pipeline's links to other ranks, each bounded by :attr:`timeout`: tied copies, the transport,
@@ -463,7 +439,7 @@ class Pipeline(HeldStages):
         layout = self.mesh.layout
         sharded = layout.fsdp * layout.tp > 1 or self.sharded is not None
         # Sharded: every rank holds a part of the norm, counted once however many ranks hold that part.
-        group = _world() if sharded else self.mesh.pp_group
+        group = world_group() if sharded else self.mesh.pp_group
         copies = functools.partial(held_copies, ranks_per_stage=layout.lines) if sharded else None
         return clip_grad_norm_(
             mine, max_norm, norm_type, group=group, counting=Counting(counted, copies),
@@ -503,24 +479,9 @@ class Pipeline(HeldStages):
         self._record(result)
         return result
 
-    @contextmanager
-    def _gathered(self, *, reduce: bool) -> Iterator[None]:
-        """Within, sharded stages hold their whole parameters (gathered once); on leaving, their gradients are
-        reduce-scattered (``reduce``, a training step's end) or dropped (a forward-only pass, or a failure)."""
-        sharded = self.sharded
-        if sharded is None:
-            yield
-            return
-        sharded.gather()
-        try:
-            yield
-        except BaseException:
-            sharded.release()
-            raise
-        if reduce:
-            sharded.reduce()
-        else:
-            sharded.release()
+    def _gathered(self, *, reduce: bool) -> AbstractContextManager[None]:
+        """Sharded stages' whole parameters for the block (see :meth:`ShardedStages.gathering`); else nothing."""
+        return nullcontext() if self.sharded is None else self.sharded.gathering(reduce=reduce)
 
     def _record(self, result: StepResult) -> None:
         self.last_result = dataclasses.replace(result, outputs=[])  # the caller's: kept here, they would stay

@@ -4,24 +4,20 @@ DTensor's ``parallelize_module``, from outside the model."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from stagewise.partition import Segment
+from stagewise.comm import PipelineMesh
+from stagewise.partition import Layer, Segment, SharedParameter
+from stagewise.pipeline.config import TensorParallelPlan
+from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.tied_weights import retie
 
 log = logging.getLogger(__name__)
-
-TensorParallelPlan = Callable[[str, nn.Module, int], Mapping[str, ParallelStyle] | ParallelStyle | None]
-"""``plan(name, module, tp)``: how to split the layer ``name`` (as :func:`~stagewise.partition.layers_of` names
-it: ``blocks.3``) over ``tp`` ranks, as ``parallelize_module`` takes it: a style for the layer's ``module``
-itself, or submodule names relative to it mapped to styles (torch's ``ColwiseParallel``, ``RowwiseParallel``,
-...); None leaves the layer whole on every ``tp`` rank (replicated: each computes the same). A plan that cannot
-split the layer over ``tp`` ranks raises ``ValueError`` saying what would fit. The layers' outputs must be whole
-(replicated) tensors, as a row-wise split's are, since they travel to the next stage as they are."""
 
 
 def parallelize(
@@ -59,3 +55,21 @@ def placed_like_parameters(params: Iterable[nn.Parameter]) -> None:
         grad = param.grad
         if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def split_stages(
+    stages: Mapping[int, StageModule],
+    layers: Sequence[Layer],
+    shared: Sequence[SharedParameter],
+    mesh: PipelineMesh,
+    plan: TensorParallelPlan | None,
+) -> list[str]:
+    """Split this rank's ``stages`` over ``mesh``'s ``tp`` ranks as ``plan`` says (see :func:`parallelize`), and
+    tie again the layers that share a parameter (a style makes a parameter of its own); returns the layers split."""
+    split = []
+    for stage in stages.values():
+        split += parallelize(list(stage.layers), stage.names, mesh.device_mesh["tp"], plan)
+    held = {stage.first + offset for stage in stages.values() for offset in range(len(stage.names))}
+    retie(layers, shared, held)
+    log.info("layers %s are split over %d tp ranks", split, mesh.layout.tp)
+    return split

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from support.multiproc import run_ranks
 
-from stagewise.comm import Coords, LaunchError, Layout, init_mesh
+from stagewise.comm import Coords, LaunchError, Layout, PipelineMesh, init_mesh
 
 
 def test_layout_is_pipeline_outermost() -> None:
@@ -206,3 +206,14 @@ def test_a_sharded_layout_that_does_not_fit_the_world_is_refused(monkeypatch: py
     with pytest.raises(ValueError, match=r"^tp must be >= 1, got 0$"):
         init_mesh(2, None, tp=0)
     assert not dist.is_initialized()
+
+
+def test_each_pipeline_takes_its_share_of_the_global_batch() -> None:
+    layout = Layout(pp=2, dp=1, fsdp=2, tp=2)
+    cpu = torch.device("cpu")
+    shares = [PipelineMesh(None, layout, r, cpu, "gloo", 1.0, None).share(8) for r in range(8)]  # type: ignore[arg-type]
+    assert shares[4:] == [slice(0, 4), slice(0, 4), slice(4, 8), slice(4, 8)]  # tp ranks take the same share
+    with pytest.raises(
+        ValueError, match=r"^a global batch of 7 does not divide into the 2 shares of dp x fsdp = 1 x 2"
+    ):
+        PipelineMesh(None, layout, 0, cpu, "gloo", 1.0, None).share(7)  # type: ignore[arg-type]

@@ -109,8 +109,7 @@ def train(case: Case) -> dict[str, Any]:
         options=PipelineOptions(n_virtual=case.n_virtual, tensor_parallel=gpt_plan),
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    share = BATCH // mesh.layout.batch_shards
-    mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+    mine = mesh.share(BATCH)
     losses, norms, grads, collectives = [], [], [], []
     for ids, targets in batches():
         opt.zero_grad()
@@ -173,8 +172,7 @@ def skipping() -> dict[str, Any]:
         options=PipelineOptions(diagnostics=Diagnostics(nonfinite="skip")),
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
-    share = BATCH // mesh.layout.batch_shards
-    mine = slice(mesh.batch_index * share, (mesh.batch_index + 1) * share)
+    mine = mesh.share(BATCH)
     data = batches()
     losses, skipped = [], []
     for poisoned, (ids, targets) in zip((False, True, False), (data[0], data[1], data[1]), strict=True):
