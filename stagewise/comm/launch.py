@@ -18,7 +18,7 @@ from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal, TypedDict, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, get_args
 
 import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # public, not re-exported
@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
 
-StartMethod = Literal["spawn", "forkserver"]
+StartMethod = Literal["spawn", "forkserver", "fork"]
 """How :func:`launch` starts its processes; see :attr:`LaunchOptions.start_method`."""
 
 FAILURE_GRACE = 1.0
@@ -106,7 +106,10 @@ class LaunchOptions(TypedDict, total=False):
     itself. "forkserver": each is forked from multiprocessing's fork server, which imports torch, stagewise and the
     function's module once per launching process (:data:`FORKSERVER_PRELOAD`), so a process that launches many
     short jobs starts each in a fraction of the time; ``env`` and ``threads`` are then applied in each process
-    before the function runs. :func:`launch_module` always starts fresh interpreters."""
+    before the function runs. "fork": each is a copy of the launching process, started at once with whatever it has
+    imported (torchrun's ``--start-method fork``); only from a process that has started no CUDA context and runs
+    no other threads of its own, as a copy keeps none of them. :func:`launch_module` always starts fresh
+    interpreters."""
     layout: Layout
     """The job's ``pp x dp`` layout, so that a failure names the rank's stage and replica."""
     tee: bool
@@ -169,6 +172,7 @@ class _Returning:
         functools.update_wrapper(self, fn)  # the agent names the job after fn
 
     def __call__(self, *args: Any) -> Any:
+        _fresh_stop_signals()
         os.environ.update(self.env)
         if self.cores:
             _pin(self.cores[int(os.environ["LOCAL_RANK"])])
@@ -198,6 +202,14 @@ class _Returning:
                 f"{type(err).__name__}: {err}; return plain values (detach tensors, drop modules and groups)"
             ) from err
         return result
+
+
+def _fresh_stop_signals() -> None:
+    """The stop signals' handlers of a fresh interpreter (SIGINT raises KeyboardInterrupt, the others stop the
+    process): a process forked from the agent (``start_method="fork"``) would keep the agent's own."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
 
 
 def cpu_shares(nprocs: int) -> list[frozenset[int]]:
@@ -339,8 +351,8 @@ def _run(
             raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if device not in ("cpu", "auto"):
         raise ValueError(f"device must be 'cpu' or 'auto', got {device!r}")
-    if start_method not in ("spawn", "forkserver"):
-        raise ValueError(f"start_method must be 'spawn' or 'forkserver', got {start_method!r}")
+    if start_method not in get_args(StartMethod):
+        raise ValueError(f"start_method must be one of {list(get_args(StartMethod))}, got {start_method!r}")
     if nnodes > 1 and "rdzv_endpoint" not in options:
         raise ValueError(
             f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "

@@ -3,20 +3,20 @@
 ``run_ranks(fn, nprocs, *args, timeout=60)`` launches ``fn(*args)`` on
 ``nprocs`` local processes through :func:`stagewise.comm.launch` (torchrun's
 elastic agent), inside a runner process in its own session. If the job has not
-finished within ``timeout`` seconds, the whole session (runner, fork server,
-agent and workers) is killed and the test fails; a hang never stalls the suite.
-Results come back as a dict from global rank to ``fn``'s return value; a
-failed rank raises :class:`stagewise.comm.LaunchError` here.
+finished within ``timeout`` seconds, the whole session (runner, agent and
+workers) is killed and the test fails; a hang never stalls the suite. Results
+come back as a dict from global rank to ``fn``'s return value; a failed rank
+raises :class:`stagewise.comm.LaunchError` here.
 
-Starting the processes is most of a short test's time, so each launch takes
-a runner that was started during the previous test: it has already imported
-torch and started a fork server that has too, and the ranks are forked from
-that server (``start_method="forkserver"``) unless a test asks for another.
-Every runner still serves one job only, so no state passes between tests;
-its environment is this process's at the launch before, so a test that needs
-a variable in its ranks passes ``env={...}`` (an option of ``launch``). A job
-whose ranks gloo fails to connect (:data:`GLOO_SETUP_FLAKE`) is launched once
-more, and says so in its output.
+Importing torch was most of a short test's time, so the session keeps one
+*zygote*: a process, started once, that imports torch, stagewise and the test
+helpers and then only forks. Each launch is a fresh fork of it (the runner, a
+session of its own, with this process's environment of the moment), and the
+ranks are forked from the runner (``start_method="fork"``) unless a test asks
+for another method. Every runner serves one job only and the zygote runs
+none, so no state passes between tests. A job whose ranks gloo fails to
+connect (:data:`GLOO_SETUP_FLAKE`) is launched once more, and says so in its
+output.
 """
 
 from __future__ import annotations
@@ -29,84 +29,115 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-
-def _command(fn: Callable[..., Any], nprocs: int, args: Sequence[Any], options: dict[str, Any], workdir: Path) -> Path:
-    job = workdir / "job.pkl"
-    job.write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, nprocs, tuple(args), options)))
-    return job
-
-
-PRELOAD = ["torch", "torch.distributed", "stagewise.comm", "stagewise.pipeline", "stagewise.models", "hypothesis"]
-"""What a runner's fork server imports before it forks the ranks of any test."""
-
-
-def _runner() -> subprocess.Popen[bytes]:
-    """A runner in its own session that warms up, then reads the path of its one job from stdin."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
-    return subprocess.Popen(
-        [sys.executable, __file__],
-        env=env,
-        start_new_session=True,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.elastic.multiprocessing",
+    "stagewise.comm",
+    "stagewise.pipeline",
+    "stagewise.models",
+    "stagewise.run",
+    "hypothesis",
+    "pytest",
+]
+"""What the zygote imports before it forks the runner of any test."""
 
 
-class _WarmRunners:
-    """Keeps one runner warming up while a test runs, for the next launch."""
+def _environment() -> dict[str, str]:
+    """This process's environment, with its import path and one OpenMP thread, for the zygote and each runner."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), OMP_NUM_THREADS="1")
+
+
+@dataclass(frozen=True)
+class Runner:
+    """One launch in flight: the forked runner's process id (its session's too) and its job's files."""
+
+    pid: int
+    job: Path
+
+    @property
+    def log(self) -> Path:
+        return self.job.with_name(self.job.name + ".log")
+
+    @property
+    def out(self) -> Path:
+        return self.job.with_name(self.job.name + ".out")
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
+
+
+class _Zygote:
+    """The session's one process that forks a runner per launch (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.spare: subprocess.Popen[bytes] | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
-    def take(self) -> subprocess.Popen[bytes]:
-        runner = self.spare if self.spare is not None and self.spare.poll() is None else _runner()
-        self.spare = _runner()
-        return runner
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, __file__],
+            env=_environment(),
+            start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
 
-    def drop(self) -> None:
-        if self.spare is not None and self.spare.poll() is None:
-            os.killpg(self.spare.pid, signal.SIGKILL)
-            self.spare.wait()
+    def fork(self, job: Path) -> Runner:
+        if self.process is None or self.process.poll() is not None:
+            self.process = self._start()
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(f"{job}\n".encode())
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline().decode().strip()
+        if not answer.isdigit():
+            pytest.fail(f"the test zygote could not fork a runner: {answer!r}")
+        return Runner(int(answer), job)
 
-
-_RUNNERS = _WarmRunners()
-atexit.register(_RUNNERS.drop)
-
-
-def start_ranks(
-    fn: Callable[..., Any], nprocs: int, *args: Any, workdir: Path, **options: Any
-) -> subprocess.Popen[bytes]:
-    """Hand one launch to a warm runner (and start the next one); see :func:`finish`."""
-    options.setdefault("start_method", "forkserver")
-    job = _command(fn, nprocs, args, options, workdir)
-    runner = _RUNNERS.take()
-    assert runner.stdin is not None
-    runner.stdin.write(f"{job}\n".encode())
-    runner.stdin.flush()  # finish() closes it
-    return runner
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
 
-def finish(runner: subprocess.Popen[bytes], workdir: Path, timeout: float) -> dict[int, Any]:
+_ZYGOTE = _Zygote()
+atexit.register(_ZYGOTE.stop)
+
+
+def start_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, workdir: Path, **options: Any) -> Runner:
+    """Hand one launch to a fresh runner; see :func:`finish`."""
+    options.setdefault("start_method", "fork")
+    job = workdir / "job.pkl"
+    job.write_bytes(pickle.dumps((fn.__module__, fn.__qualname__, nprocs, tuple(args), options, _environment())))
+    return _ZYGOTE.fork(job)
+
+
+def finish(runner: Runner, workdir: Path, timeout: float) -> dict[int, Any]:
     """Wait for a runner; kill its whole session and fail the test when it outlives ``timeout``."""
-    try:
-        output, _ = runner.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(runner.pid, signal.SIGKILL)
-        output, _ = runner.communicate()
-        tail = output.decode(errors="replace")[-3000:]
-        pytest.fail(f"distributed test did not finish within {timeout:g} s; killed it. Output tail:\n{tail}")
-    result = workdir / "job.pkl.out"
-    if not result.exists():
-        tail = output.decode(errors="replace")[-3000:]
-        pytest.fail(f"the runner exited with {runner.returncode} and no result. Output tail:\n{tail}")
-    ok, value = pickle.loads(result.read_bytes())
+    deadline = time.monotonic() + timeout
+    while runner.alive():
+        if time.monotonic() > deadline:
+            os.killpg(runner.pid, signal.SIGKILL)
+            pytest.fail(
+                f"distributed test did not finish within {timeout:g} s; killed it. Output tail:\n{runner.tail()}"
+            )
+        time.sleep(0.02)
+    if not runner.out.exists():
+        pytest.fail(f"the runner exited with no result. Output tail:\n{runner.tail()}")
+    ok, value = pickle.loads(runner.out.read_bytes())
     if not ok:
         raise value
     return dict(value)
@@ -125,20 +156,15 @@ closed by peer" while both ranks are alive): twice on 2026-12-03, in tests that 
 fails so is launched once more; a second failure stands."""
 
 
-def _main() -> None:
+def _run(job: Path) -> None:
+    """A runner's one job: its environment, then the launch (once more on gloo's setup flake), its result saved."""
     import importlib
-    import multiprocessing
-    import multiprocessing.forkserver
 
     from stagewise.comm import LaunchError, launch
 
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
-    line = sys.stdin.readline().strip()
-    if not line:
-        return  # the test session ended before this runner was needed
-    job = Path(line)
-    module, qualname, nprocs, args, options = pickle.loads(job.read_bytes())
+    module, qualname, nprocs, args, options, env = pickle.loads(job.read_bytes())
+    os.environ.clear()
+    os.environ.update(env)
     fn = importlib.import_module(module)
     for part in qualname.split("."):
         fn = getattr(fn, part)
@@ -152,8 +178,50 @@ def _main() -> None:
                 print(f"runner: {qualname}: gloo could not connect the ranks; launching it once more", flush=True)
                 continue
         break
-    Path(f"{job}.out").write_bytes(pickle.dumps(outcome))
+    partial = job.with_name(job.name + ".partial")
+    partial.write_bytes(pickle.dumps(outcome))
+    partial.rename(job.with_name(job.name + ".out"))
     print(f"runner: {qualname} on {nprocs} processes took {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def _runner(job: Path) -> None:
+    """In a fresh fork of the zygote: a session of its own, output to the job's log, the job, then exit."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        log = os.open(f"{job}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        _run(job)
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _main() -> None:
+    """The zygote: import what every runner needs, then fork one per job path read from stdin (its pid answered)."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # runners are reaped as they exit
+    for line in sys.stdin:
+        job = Path(line.strip())
+        pid = os.fork()
+        if pid == 0:
+            _runner(job)
+        sys.stdout.write(f"{pid}\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":
