@@ -4,7 +4,9 @@ The cluster is measured first, on the 4 ranks: the ring bandwidth and latency of
 of them (what tensor parallelism's collectives run on here), the bandwidth of its all-gather and reduce-scatter
 of 64 MiB shards (FSDP's; gloo's run at about a quarter of its all-reduce's), and the layers' times profiled by 4
 processes at once (``stagewise plan --profile --profile-ranks 4``), as the 4 training ranks share the cores. The
-planner evaluates each layout (1F1B, ``--microbatches``); ``train`` then runs it with the planner's partition.
+planner evaluates each layout (1F1B, ``--microbatches``: 4, as with 2 a third of the step is the bubble, where
+half of the 4 processes have the 2 cores and run faster than profiled); ``train`` then runs it with the
+planner's partition. FSDP's all-gather and reduce-scatter are timed inside the step too.
 Each rank measures its median step time and its memory at its fullest: the training state it holds between steps
 (its shards of the parameters, their gradients and AdamW's state), the whole parameters and gradients FSDP holds
 during a step, and the most bytes autograd saved for backward at once (every tensor's storage once, the
@@ -12,7 +14,7 @@ parameters excluded). One JSON line per layout: predicted, measured and their ra
 rank's memory (the planner's state plus saved activations, without the loss's moment of working tensors, which
 neither side counts here).
 
-    python benchmarks/shard_plan_fidelity.py [--preset gpt-small] [--batch 8] [--seq-len 128] [--steps 8]
+    python benchmarks/shard_plan_fidelity.py [--preset gpt-small] [--batch 8] [--steps 8] [--microbatches 4]
 """
 
 from __future__ import annotations
@@ -91,15 +93,24 @@ def measured(config: TrainConfig) -> dict[str, Any]:
     state it holds between steps with the whole copies FSDP adds during one, and its peak saved activations."""
     torch.set_num_threads(1)
     whole: list[int] = []
-    reduce = ShardedStages.reduce
+    collectives: list[float] = []  # seconds of FSDP's all-gather and reduce-scatter, per step
+    reduce, gather = ShardedStages.reduce, ShardedStages.gather
 
     def counting(self: ShardedStages) -> None:  # the whole parameters and gradients, just before they go
         tensors = [p for s in self.stages.values() for p in s.parameters()]
         tensors += [p.grad for p in tensors if p.grad is not None]
         whole.append(sum(_local(t).untyped_storage().nbytes() for t in tensors))
+        began = time.perf_counter()
         reduce(self)
+        collectives[-1] += time.perf_counter() - began
+
+    def timed_gather(self: ShardedStages) -> None:
+        began = time.perf_counter()
+        gather(self)
+        collectives.append(time.perf_counter() - began)
 
     ShardedStages.reduce = counting  # type: ignore[method-assign]
+    ShardedStages.gather = timed_gather  # type: ignore[method-assign]
     pipe = build_pipeline(config)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -122,7 +133,11 @@ def measured(config: TrainConfig) -> dict[str, Any]:
             times.append(time.perf_counter() - began)
     pipe.close()
     dist.destroy_process_group()
-    return {"steps": times, "saved": max(peaks), "state": max(held) + (max(whole) if whole else 0)}
+    timed = collectives[: len(times)]
+    return {
+        "steps": times, "saved": max(peaks), "state": max(held) + (max(whole) if whole else 0),
+        "collectives": statistics.median(timed[2:]) if len(timed) > 2 else 0.0,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -130,7 +145,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt-small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--layouts", default="2x1x2x1,2x1x1x2", help="pp x dp x fsdp x tp, comma-separated")
     ns = parser.parse_args()
@@ -149,6 +164,7 @@ def main() -> None:
         )  # fmt: skip
         layout = Option(pp, dp, 1, m, "1f1b", False, fsdp=fsdp, tp=tp)
         option = evaluate(layout, work, cluster)
+        free = evaluate(layout, work, dataclasses.replace(cluster, sharding_bandwidth=1e18))  # collectives cost 0
         assert option.partition is not None, option.rejected
         held = tuple(dataclasses.replace(c, working_bytes=0) for c in work.costs)
         saved = evaluate(layout, dataclasses.replace(work, costs=held, loss_bytes=None), cluster).rank_activation
@@ -174,7 +190,10 @@ def main() -> None:
             "bench": "shard_plan_fidelity", "preset": ns.preset, "layout": option.describe(),
             "partition": list(option.partition.bounds), "ring": link,
             "predicted_step_s": round(option.step_time, 4), "measured_step_s": round(step, 4),
-            "step_ratio": round(option.step_time / step, 3), "memory": rows,
+            "step_ratio": round(option.step_time / step, 3),
+            "predicted_collectives_s": round(option.step_time - free.step_time, 4),
+            "measured_collectives_s": [round(rank["collectives"], 4) for rank in ranks.values()],
+            "memory": rows,
         }), flush=True)  # fmt: skip
 
 
