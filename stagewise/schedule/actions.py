@@ -55,10 +55,12 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """For each rank, the ordered actions it runs in one training step.
+    """For each rank, the ordered actions it runs in one training step, and which rank holds each stage.
 
-    Stage ``s`` lives on rank ``s % n_ranks``: with more stages than ranks
-    (interleaved, virtual stages) rank ``r`` holds stages ``r, r + p, r + 2p, ...``.
+    By default stage ``s`` lives on rank ``s % n_ranks``: with more stages than
+    ranks (interleaved, virtual stages) rank ``r`` holds stages ``r, r + p, r + 2p, ...``.
+    A :attr:`placement` says otherwise, e.g. the V of ZBV and DualPipeV, where
+    rank ``r`` holds stages ``r`` and ``2p - 1 - r``.
     """
 
     name: str
@@ -69,6 +71,9 @@ class Schedule:
     """Micro-batches per step."""
     ranks: tuple[tuple[Action, ...], ...]
     """``ranks[r]`` is rank ``r``'s actions, in the order it runs them."""
+    placement: tuple[int, ...] = ()
+    """``placement[s]`` is the rank that holds stage ``s``, each rank ``n_stages / n_ranks`` of them; empty (the
+    default): ``s % n_ranks``, round robin."""
 
     def __post_init__(self) -> None:
         p = len(self.ranks)
@@ -77,10 +82,13 @@ class Schedule:
         if self.n_stages < 1 or self.n_stages % p:
             raise ValueError(
                 f"{self.n_stages} stages cannot be spread over {p} ranks; the stage count must be a positive "
-                "multiple of the rank count (rank r holds stages r, r + p, ...)"
+                "multiple of the rank count (each rank holds as many stages as the others)"
             )
         if self.n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {self.n_microbatches}")
+        if not self.placement:
+            object.__setattr__(self, "placement", tuple(s % p for s in range(self.n_stages)))
+        _check_placement(tuple(self.placement), self.n_stages, p)
         for rank, actions in enumerate(self.ranks):
             for i, action in enumerate(actions):
                 if not 0 <= action.stage < self.n_stages or not 0 <= action.microbatch < self.n_microbatches:
@@ -88,10 +96,10 @@ class Schedule:
                         f"rank {rank}, action {i} ({action}) is outside {self.n_stages} stages x "
                         f"{self.n_microbatches} micro-batches"
                     )
-                if action.stage % p != rank:
+                if self.placement[action.stage] != rank:
                     raise ValueError(
-                        f"rank {rank}, action {i} ({action}) belongs to rank {action.stage % p}: "
-                        f"stage s runs on rank s % {p}"
+                        f"rank {rank}, action {i} ({action}) belongs to rank {self.placement[action.stage]}, which "
+                        f"holds stage {action.stage} (placement {list(self.placement)}); move it to that rank's line"
                     )
 
     @property
@@ -103,13 +111,18 @@ class Schedule:
         """Stages per rank."""
         return self.n_stages // self.n_ranks
 
+    @property
+    def round_robin(self) -> bool:
+        """True when stage ``s`` lives on rank ``s % n_ranks`` (every built-in placement but the V)."""
+        return self.placement == tuple(s % self.n_ranks for s in range(self.n_stages))
+
     def rank_of(self, stage: int) -> int:
         """The rank that runs ``stage``."""
-        return stage % self.n_ranks
+        return self.placement[stage]
 
-    def stages_of(self, rank: int) -> range:
-        """The stages that ``rank`` holds."""
-        return range(rank, self.n_stages, self.n_ranks)
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages that ``rank`` holds, in increasing order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
     @property
     def splits_backward(self) -> bool:
@@ -128,7 +141,8 @@ class Schedule:
 
         Lines starting with ``#`` are comments. Each other line is
         ``rank N: action action ...``, ranks numbered from 0 in order. Stage
-        and micro-batch counts are the largest ones used, plus one.
+        and micro-batch counts are the largest ones used, plus one; each stage
+        is held by the rank whose line runs it (a V is read as a V).
         """
         ranks: list[tuple[Action, ...]] = []
         for number, raw in enumerate(text.splitlines(), start=1):
@@ -151,13 +165,31 @@ class Schedule:
         n_stages = max(a.stage for a in actions) + 1
         p = len(ranks)
         n_stages = -(-n_stages // p) * p  # round up to a multiple of the rank count
-        return cls(name, n_stages, max(a.microbatch for a in actions) + 1, tuple(ranks))
+        holder = {a.stage: r for r in reversed(range(p)) for a in ranks[r]}  # the first rank that runs each stage
+        placement = tuple(holder.get(s, s % p) for s in range(n_stages))
+        if sorted(placement) != sorted(s % p for s in range(n_stages)):  # not a placement: keep the default's error
+            placement = ()
+        return cls(name, n_stages, max(a.microbatch for a in actions) + 1, tuple(ranks), placement)
 
     @classmethod
     def load(cls, path: str | Path) -> Schedule:
         """Read a schedule text file (see :meth:`from_text`)."""
         file = Path(path)
         return cls.from_text(file.read_text(), name=file.stem)
+
+
+def _check_placement(placement: tuple[int, ...], n_stages: int, n_ranks: int) -> None:
+    """Refuse a placement that is not one rank per stage with every rank holding ``n_stages / n_ranks``."""
+    if len(placement) != n_stages or any(not 0 <= r < n_ranks for r in placement):
+        raise ValueError(
+            f"placement {list(placement)} must give each of the {n_stages} stages a rank in 0 .. {n_ranks - 1}"
+        )
+    counts = [placement.count(r) for r in range(n_ranks)]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"placement {list(placement)} gives the ranks {counts} stages; each must hold {n_stages // n_ranks} "
+            f"({n_stages} stages on {n_ranks} ranks)"
+        )
 
 
 def forwards_first(actions: Sequence[Action]) -> bool:

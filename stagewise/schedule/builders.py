@@ -1,4 +1,5 @@
-"""The built-in schedules, each defined once: GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1)."""
+"""The built-in schedules, each defined once: GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble (ZB-H1) and
+the V-shaped zero-bubble ZBV."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from types import MappingProxyType
 from typing import Literal, get_args
 
 from stagewise.schedule.actions import Action, Kind, Schedule
+from stagewise.schedule.list_scheduling import Costs, list_schedule
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"]
 """The schedules :func:`build` knows, each with its :class:`Builder` in :data:`BUILDERS`."""
 
 
@@ -66,6 +68,41 @@ def interleaved_one_f_one_b(n_ranks: int, n_virtual: int, n_microbatches: int) -
         order += [backward(k) for k in range(total - warm, total)]
         ranks.append(order)
     return ranks
+
+
+def looped_bfs(n_ranks: int, n_virtual: int, n_microbatches: int) -> list[list[Action]]:
+    """Looped breadth-first (Lamy-Poirier, 2023; torch's ScheduleLoopedBFS): rank ``r`` holds stages ``r, r + p,
+    ...``, runs every micro-batch's forward through each of them in turn, then every backward in reverse.
+
+    Each rank holds all ``m`` micro-batches of each of its stages (GPipe's memory, ``v`` stages' worth), in
+    exchange for the fewest switches between stages; any ``m``.
+    """
+    p, v, m = n_ranks, n_virtual, n_microbatches
+    ranks = []
+    for r in range(p):
+        mine = [r + k * p for k in range(v)]
+        order = [Action(s, Kind.F, i) for s in mine for i in range(m)]
+        order += [Action(s, Kind.B, i) for s in reversed(mine) for i in range(m)]
+        ranks.append(order)
+    return ranks
+
+
+def v_shape(n_ranks: int) -> tuple[int, ...]:
+    """The V placement of ``2 p`` stages: rank ``r`` holds stages ``r`` and ``2p - 1 - r``, so the first and the
+    last stage share rank 0, and each micro-batch turns back at rank ``p - 1`` without a transfer."""
+    return tuple(range(n_ranks)) + tuple(reversed(range(n_ranks)))
+
+
+def zbv(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
+    """ZB-V (Qi et al., 2023, section 6): zero-bubble's split backward on the V placement (:func:`v_shape`).
+
+    Ordered by list scheduling unit-time F, I and W (:func:`~stagewise.schedule.list_scheduling.list_schedule`)
+    with at most ``p`` micro-batches in a rank: each rank then holds at most ``2p`` stage-micro-batches of stages
+    half the size of 1F1B's, 1F1B's peak activation memory on its first rank, with a bubble near zero once
+    ``m >= 2p`` (0.059 at ``p = 4, m = 8`` with F = I = W, against 1F1B's 0.27).
+    """
+    p = n_ranks
+    return list_schedule(v_shape(p), n_microbatches, split=True, limit=[p] * p, costs=Costs.unit(2 * p))
 
 
 def zero_bubble(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
@@ -131,16 +168,24 @@ class Builder:
     order: Callable[[int, int, int], list[list[Action]]]
     """(ranks, stages per rank, micro-batches) -> each rank's actions, in order."""
     virtual: bool = False
-    """True: it runs ``n_virtual >= 2`` stages per rank, and a multiple of the rank count of micro-batches
-    (interleaved); False: one stage per rank, any number of micro-batches."""
+    """True: it runs ``n_virtual >= 2`` stages per rank (exactly :attr:`stages_per_rank` where that is set);
+    False: one stage per rank."""
+    whole_rounds: bool = False
+    """True: the micro-batches must be a multiple of the rank count (interleaved 1F1B's groups of ``p``)."""
+    stages_per_rank: int | None = None
+    """The only number of stages per rank it takes (the V's 2); None: any its :attr:`virtual` allows."""
+    placement: Callable[[int], tuple[int, ...]] | None = None
+    """(ranks) -> the rank of each stage; None: round robin (stage ``s`` on rank ``s % p``)."""
 
 
 BUILDERS: Mapping[ScheduleName, Builder] = MappingProxyType(
     {
         "gpipe": Builder(lambda p, v, m: gpipe(p, m)),
         "1f1b": Builder(lambda p, v, m: one_f_one_b(p, m)),
-        "interleaved-1f1b": Builder(interleaved_one_f_one_b, virtual=True),
+        "interleaved-1f1b": Builder(interleaved_one_f_one_b, virtual=True, whole_rounds=True),
+        "looped-bfs": Builder(looped_bfs, virtual=True),
         "zero-bubble": Builder(lambda p, v, m: zero_bubble(p, m)),
+        "zbv": Builder(lambda p, v, m: zbv(p, m), virtual=True, stages_per_rank=2, placement=v_shape),
     }
 )
 """Every :data:`ScheduleName` with its builder: the one place a built-in schedule is defined."""
@@ -151,7 +196,8 @@ def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: 
 
     ``n_virtual`` is the number of stages per rank, so the pipeline has
     ``n_stages // n_virtual`` ranks; only a :attr:`Builder.virtual` schedule
-    ("interleaved-1f1b") takes more than 1, and needs more.
+    ("interleaved-1f1b", "looped-bfs", "zbv") takes more than 1, and needs more
+    ("zbv": exactly 2, placed in a V).
 
     Raises:
         ValueError: an unknown name, or counts the schedule cannot take; the
@@ -166,12 +212,19 @@ def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: 
             raise ValueError(f"{field} must be >= 1, got {value}")
     builder = BUILDERS[name]
     _check_shape(name, builder, n_stages, n_microbatches, n_virtual)
-    ranks = builder.order(n_stages // n_virtual, n_virtual, n_microbatches)
-    return Schedule(name, n_stages, n_microbatches, tuple(tuple(r) for r in ranks))
+    n_ranks = n_stages // n_virtual
+    ranks = builder.order(n_ranks, n_virtual, n_microbatches)
+    placement = builder.placement(n_ranks) if builder.placement is not None else ()
+    return Schedule(name, n_stages, n_microbatches, tuple(tuple(r) for r in ranks), placement)
 
 
 def _check_shape(name: str, builder: Builder, n_stages: int, n_microbatches: int, n_virtual: int) -> None:
     """Refuse, with what would fit, the counts that ``builder`` cannot take."""
+    if builder.stages_per_rank is not None and n_virtual != builder.stages_per_rank:
+        raise ValueError(
+            f"{name} holds exactly {builder.stages_per_rank} stages per rank, got n_virtual={n_virtual}; give it "
+            f"n_stages = {builder.stages_per_rank} x the ranks and n_virtual={builder.stages_per_rank}"
+        )
     if builder.virtual:
         if n_virtual < 2:
             raise ValueError(f"{name} needs n_virtual >= 2 stages per rank, got {n_virtual}; use '1f1b' for one")
@@ -183,7 +236,7 @@ def _check_shape(name: str, builder: Builder, n_stages: int, n_microbatches: int
             f"each of the n_stages / n_virtual ranks holds n_virtual stages"
         )
     n_ranks = n_stages // n_virtual
-    if builder.virtual and n_microbatches % n_ranks:
+    if builder.whole_rounds and n_microbatches % n_ranks:
         fits = n_ranks * max(1, round(n_microbatches / n_ranks))
         raise ValueError(
             f"{name} needs n_microbatches to be a multiple of the number of ranks "

@@ -46,12 +46,12 @@ def _check_each_once(schedule: Schedule, where: dict[Action, list[tuple[int, int
     for stage in range(schedule.n_stages):
         if stage not in used:
             p = schedule.n_ranks
-            fix = f"give stage {stage} its forwards and backwards on rank {stage % p}"
+            fix = f"give stage {stage} its forwards and backwards on rank {schedule.rank_of(stage)}"
             if stage > max(used, default=-1):  # the count was rounded up to a multiple of the ranks
                 fix += f", or use stages 0 .. {stage - 1} on a number of ranks that divides {stage}"
             raise ScheduleError(
                 f"stage {stage} has no actions at all; a schedule on {p} ranks has a multiple of {p} stages "
-                f"(rank r holds stages r, r + {p}, ...), here {schedule.n_stages}: {fix}"
+                f"(each rank holds as many), here {schedule.n_stages}: {fix}"
             )
         for mb in range(schedule.n_microbatches):
             label = f"stage {stage}, micro-batch {mb}"

@@ -54,10 +54,14 @@ def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
     return results
 
 
+ROUND_ROBIN = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+LOOPED_AND_V = ("looped-bfs", "zbv")  # several stages per rank, any m; the V places stages r and 2p - 1 - r on rank r
+
+
 @st.composite
-def cases(draw: st.DrawFn, n_ranks: int) -> Case:
-    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]))
-    v = 2 if schedule == "interleaved-1f1b" else 1
+def cases(draw: st.DrawFn, n_ranks: int, schedules: tuple[str, ...] = ROUND_ROBIN) -> Case:
+    schedule = draw(st.sampled_from(schedules))
+    v = 2 if schedule in ("interleaved-1f1b", *LOOPED_AND_V) else 1
     n_stages = n_ranks * v
     with_ids = draw(st.booleans())
     extra = 2 if with_ids else 0
@@ -108,6 +112,18 @@ def test_three_ranks_equal_the_unsplit_model(case_list: list[Case]) -> None:
     check(case_list, 3)
 
 
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(cases(2, LOOPED_AND_V), min_size=10, max_size=10))
+def test_v_shaped_and_looped_schedules_on_two_ranks_equal_the_unsplit_model(case_list: list[Case]) -> None:
+    check(case_list, 2)
+
+
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(cases(3, LOOPED_AND_V), min_size=10, max_size=10))
+def test_v_shaped_and_looped_schedules_on_three_ranks_equal_the_unsplit_model(case_list: list[Case]) -> None:
+    check(case_list, 3)
+
+
 def test_every_schedule_on_a_fixed_case() -> None:
     chain = Chain(("linear", "gelu", "residual", "norm", "linear", "residual"), with_ids=True, seed=3)
     fixed = [
@@ -121,6 +137,8 @@ def test_every_schedule_on_a_fixed_case() -> None:
         Case(chain, (0, 1, 6, 8), "zero-bubble", 1, 7, 9),
         Case(chain, (0, 1, 2, 3, 5, 6, 8), "interleaved-1f1b", 2, 6, 14),
         Case(chain, (0, 4, 6, 8), "zero-bubble", 1, 1, 3),
+        Case(chain, (0, 1, 2, 3, 5, 6, 8), "zbv", 2, 5, 11),  # rank 0 holds the first and the last stage
+        Case(chain, (0, 1, 2, 4, 5, 7, 8), "looped-bfs", 2, 3, 7),
     ]
     # Ranks on other hosts exchange through the transport's own gloo group, not shared memory: the same results.
-    check(fixed + [replace(fixed[i], over_gloo=True) for i in (2, 6, 7)], 3)
+    check(fixed + [replace(fixed[i], over_gloo=True) for i in (2, 6, 7, 10)], 3)

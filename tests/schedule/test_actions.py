@@ -46,7 +46,7 @@ def test_load_from_file(tmp_path: Path) -> None:
         ("0F0 0B0", r"line 1: expected 'rank N: 0F0 0B0 ...'"),
         ("rank 1: 0F0", r"line 1: expected rank 0 next, got rank 1"),
         ("rank 0: 0F0 0Q0", r"line 1: cannot read action '0Q0'"),
-        ("rank 0: 1F0\nrank 1: 0F0", r"rank 0, action 0 \(1F0\) belongs to rank 1: stage s runs on rank s % 2"),
+        ("rank 0: 0F0\nrank 1: 0B0", r"rank 1, action 0 \(0B0\) belongs to rank 0, which holds stage 0 \(placement"),
     ],
 )
 def test_bad_schedule_text(text: str, pattern: str) -> None:
@@ -67,3 +67,25 @@ def test_interleaved_placement() -> None:
     schedule = build("interleaved-1f1b", 6, 4, n_virtual=3)
     assert schedule.n_ranks == 2 and list(schedule.stages_of(1)) == [1, 3, 5]
     assert schedule.rank_of(4) == 0
+
+
+def test_a_placement_is_data_and_a_v_is_read_back_from_text() -> None:
+    ranks = ((Action(0, Kind.F, 0), Action(3, Kind.F, 0)), (Action(1, Kind.F, 0), Action(2, Kind.F, 0)))
+    v = Schedule("v", 4, 1, ranks, placement=(0, 1, 1, 0))
+    assert v.stages_of(0) == (0, 3) and v.stages_of(1) == (1, 2) and v.rank_of(3) == 0 and not v.round_robin
+    again = Schedule.from_text(v.to_text())
+    assert again.placement == (0, 1, 1, 0) and again.ranks == v.ranks
+    assert build("interleaved-1f1b", 4, 2, n_virtual=2).round_robin
+
+
+@pytest.mark.parametrize(
+    ("placement", "pattern"),
+    [
+        ((0, 1, 1, 1), r"placement \[0, 1, 1, 1\] gives the ranks \[1, 3\] stages; each must hold 2 \(4 stages on 2"),
+        ((0, 1, 2, 0), r"placement \[0, 1, 2, 0\] must give each of the 4 stages a rank in 0 \.\. 1"),
+        ((0, 1), r"placement \[0, 1\] must give each of the 4 stages a rank"),
+    ],
+)
+def test_a_placement_that_is_not_one_rank_per_stage_evenly_is_refused(placement: tuple[int, ...], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Schedule("x", 4, 1, ((), ()), placement=placement)

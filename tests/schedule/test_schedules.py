@@ -115,6 +115,7 @@ def test_zero_bubble_splits_backward() -> None:
         (("1f1b", 2.0, 2), {}, TypeError, r"n_stages must be an int, got float"),
         (("1f1b", 4, 8), {"n_virtual": 2}, ValueError, r"1f1b runs one stage per rank; got n_virtual=2"),
         (("interleaved-1f1b", 4, 8), {}, ValueError, r"needs n_virtual >= 2 stages per rank, got 1"),
+        (("zbv", 6, 8), {"n_virtual": 3}, ValueError, r"zbv holds exactly 2 stages per rank, got n_virtual=3; give it"),
         (("interleaved-1f1b", 6, 8), {"n_virtual": 4}, ValueError, r"n_stages=6 is not a multiple of n_virtual=4"),
         (
             ("interleaved-1f1b", 8, 6),
@@ -141,6 +142,39 @@ def test_transfer_time_only_lengthens_the_step(p: int, m: int, name: str) -> Non
     assert slow.step_time >= fast.step_time + 2 * 0.5 * (p - 1) - 1e-9
 
 
+@settings(max_examples=60, deadline=None)
+@given(ranks, microbatches, st.integers(2, 4))
+def test_looped_bfs_holds_every_micro_batch_on_every_stage_for_the_looped_gpipe_bubble(p: int, m: int, v: int) -> None:
+    schedule = build("looped-bfs", p * v, m, n_virtual=v)
+    validate(schedule)
+    assert schedule.round_robin and schedule.n_virtual == v
+    result = simulate(schedule, unit(p * v))
+    assert result.peak_in_flight == (m,) * (p * v)
+    if m >= p:  # the whole round of p micro-batches fills the loop: GPipe's bubble over v times the work
+        assert exact_bubble(result, p) == Fraction(p - 1, v * m + p - 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ranks, microbatches)
+def test_zbv_places_a_v_holds_1f1bs_first_rank_and_idles_less_than_1f1b(p: int, m: int) -> None:
+    schedule = build("zbv", 2 * p, m, n_virtual=2)
+    validate(schedule)
+    assert schedule.placement == (*range(p), *reversed(range(p))) and schedule.splits_backward
+    # Each of 2p stages is half of one of 1F1B's p stages: F = I = W = 1 against 1F1B's F = 2, B = 4.
+    result = simulate(schedule, split_unit(2 * p))
+    peak = result.peak_in_flight
+    held = [peak[r] + peak[2 * p - 1 - r] for r in range(p)]  # half-stages in flight on rank r
+    assert held[0] == 2 * min(p, m) and max(held) <= 2 * p  # 1F1B's first rank holds min(p, m) whole stages
+    if p > 1:
+        plain = simulate(build("1f1b", p, m), StageCosts.of(p, forward=2.0, backward=4.0))
+        assert exact_bubble(result, p) < exact_bubble(plain, p)
+
+
+def test_zbv_bubble_at_four_ranks_and_eight_micro_batches() -> None:
+    zbv = simulate(build("zbv", 8, 8, n_virtual=2), split_unit(8))
+    assert exact_bubble(zbv, 4) == Fraction(1, 17)  # 1F1B's is 3/11, ZB-H1's (one stage per rank) 1/9
+
+
 def test_every_schedule_name_has_its_builder() -> None:
     # One definition per schedule: the name list and the builders are the same set, in the same order.
     assert tuple(BUILDERS) == get_args(ScheduleName)
@@ -148,5 +182,5 @@ def test_every_schedule_name_has_its_builder() -> None:
         shape = (4, 2, 2) if builder.virtual else (2, 2, 1)  # stages, micro-batches, stages per rank
         schedule = build(name, shape[0], shape[1], n_virtual=shape[2])
         assert (schedule.name, schedule.n_virtual) == (name, shape[2])
-        with pytest.raises(ValueError, match=r"needs n_virtual >= 2|runs one stage per rank"):
+        with pytest.raises(ValueError, match=r"needs n_virtual >= 2|runs one stage per rank|exactly 2 stages"):
             build(name, 4, 2, n_virtual=1 if builder.virtual else 2)

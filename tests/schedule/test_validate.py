@@ -24,8 +24,8 @@ def test_a_valid_hand_written_schedule() -> None:
         (("0F0 0B0", "1B0"), r"stage 1, micro-batch 0 has no forward: add 1F0"),
         (
             ("0F0 2F0 2B0 0B0", "1F0 1B0"),  # three stages on two ranks: the count rounds up to four
-            r"stage 3 has no actions at all; a schedule on 2 ranks has a multiple of 2 stages \(rank r holds stages "
-            r"r, r \+ 2, ...\), here 4: give stage 3 its forwards and backwards on rank 1, or use stages 0 .. 2 on a "
+            r"stage 3 has no actions at all; a schedule on 2 ranks has a multiple of 2 stages \(each rank holds as "
+            r"many\), here 4: give stage 3 its forwards and backwards on rank 1, or use stages 0 .. 2 on a "
             r"number of ranks that divides 3",
         ),
         (

@@ -1,0 +1,136 @@
+"""List scheduling: each rank's actions ordered by simulating the step, over any placement of the stages.
+
+At every moment the action that can start earliest runs next on its rank; among those that start together, a
+backward (B or I, on the critical path) goes before a forward, and a forward before a weight pass (W, which only
+fills time that would be idle), and the later stage before the earlier (it is nearer the end of its micro-batch).
+A micro-batch enters a rank with the forward of the rank's first stage, and leaves it when that stage's B (or W)
+releases its activations; that forward waits while ``limit`` micro-batches are in the
+rank, which bounds the rank's activation memory (its later stages' forwards never wait: they are how a micro-batch
+already in the rank moves on). With unit costs this
+orders the V-shaped zero-bubble schedule (ZBV); with measured costs it is the engine of schedules built for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stagewise.schedule.actions import Action, Kind
+
+_PRIORITY = {Kind.B: 0, Kind.I: 0, Kind.F: 1, Kind.W: 2}
+"""Among actions that can start at the same moment: backwards first, then forwards, then weight passes."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of each action kind per stage (one micro-batch), and of a transfer between ranks."""
+
+    forward: Sequence[float]
+    backward: Sequence[float]
+    """A whole backward, B; with a split backward, I and W share it as ``input_grad`` says."""
+    input_grad: Sequence[float]
+    """The input pass I of each stage's backward (used when the backward is split)."""
+    transfer: float = 0.0
+
+    @classmethod
+    def unit(cls, n_stages: int) -> Costs:
+        """F = I = W = 1 (B = 2), no transfer time: the costs the zero-bubble papers build their schedules for."""
+        return cls((1.0,) * n_stages, (2.0,) * n_stages, (1.0,) * n_stages)
+
+    def of(self, action: Action) -> float:
+        s = action.stage
+        if action.kind is Kind.F:
+            return self.forward[s]
+        if action.kind is Kind.B:
+            return self.backward[s]
+        if action.kind is Kind.I:
+            return self.input_grad[s]
+        return self.backward[s] - self.input_grad[s]
+
+
+@dataclass
+class _State:
+    """What has run so far: when each action ended, and each rank's free time and micro-batches in flight."""
+
+    ends: dict[Action, float]
+    free: list[float]
+    in_flight: list[int]
+
+
+def list_schedule(
+    placement: Sequence[int], n_microbatches: int, *, split: bool, limit: Sequence[int], costs: Costs
+) -> list[list[Action]]:
+    """Each rank's actions, in order, for stages held as ``placement`` says (``placement[s]``: the rank of stage
+    ``s``), ``n_microbatches`` micro-batches, a backward split into I and W (``split``) or whole (B), at most
+    ``limit[r]`` micro-batches in flight on rank ``r`` (each at least 1), timed by ``costs``."""
+    n_ranks = len(limit)
+    first = [placement.index(r) for r in range(n_ranks)]
+    backward = Kind.I if split else Kind.B
+    todo: list[list[Action]] = [[] for _ in range(n_ranks)]
+    for s, r in enumerate(placement):
+        kinds = (Kind.F, backward, Kind.W) if split else (Kind.F, backward)
+        todo[r] += [Action(s, kind, mb) for kind in kinds for mb in range(n_microbatches)]
+    state = _State({}, [0.0] * n_ranks, [0] * n_ranks)
+    order: list[list[Action]] = [[] for _ in range(n_ranks)]
+    remaining = sum(len(t) for t in todo)
+    while remaining:
+        best: tuple[float, int, int, int, Action] | None = None
+        for r in range(n_ranks):
+            for action in _candidates(todo[r]):
+                start = _ready(action, placement, state, costs, limit[r] if action.stage == first[r] else None)
+                if start is None:
+                    continue
+                key = (max(start, state.free[r]), _PRIORITY[action.kind], -action.stage, r, action)
+                if best is None or key[:4] < best[:4]:
+                    best = key
+        if best is None:
+            raise ValueError(f"no action can run next under the limit {list(limit)}: give each rank room for 1 or more")
+        start, _, _, r, action = best
+        state.ends[action] = start + costs.of(action)
+        state.free[r] = state.ends[action]
+        if action.stage == first[r] and action.kind is Kind.F:
+            state.in_flight[r] += 1
+        elif action.stage == first[r] and action.kind in (Kind.B, Kind.W):
+            state.in_flight[r] -= 1
+        todo[r].remove(action)
+        order[r].append(action)
+        remaining -= 1
+    return order
+
+
+def _candidates(todo: list[Action]) -> list[Action]:
+    """A rank's next action of each kind on each of its stages (a stage runs each kind in micro-batch order)."""
+    seen: set[tuple[int, Kind]] = set()
+    out = []
+    for action in todo:
+        key = (action.stage, action.kind)
+        if key not in seen:
+            seen.add(key)
+            out.append(action)
+    return out
+
+
+def _ready(action: Action, placement: Sequence[int], state: _State, costs: Costs, limit: int | None) -> float | None:
+    """When ``action`` could start as far as its inputs and its rank's memory go (``limit``: micro-batches the
+    rank may hold, for a forward that brings one in); None: not yet."""
+    s, mb, ends = action.stage, action.microbatch, state.ends
+
+    def arrival(needed: Action) -> float | None:
+        end = ends.get(needed)
+        if end is None:
+            return None
+        return end + (costs.transfer if placement[needed.stage] != placement[s] else 0.0)
+
+    if action.kind is Kind.F:
+        if limit is not None and state.in_flight[placement[s]] >= limit:
+            return None
+        return 0.0 if s == 0 else arrival(Action(s - 1, Kind.F, mb))
+    if action.kind is Kind.W:
+        return ends.get(Action(s, Kind.I, mb))
+    own = ends.get(Action(s, Kind.F, mb))
+    if own is None:
+        return None
+    if s == len(placement) - 1:
+        return own
+    later = arrival(Action(s + 1, action.kind, mb))
+    return None if later is None else max(own, later)
