@@ -86,9 +86,9 @@ class Schedule:
             )
         if self.n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {self.n_microbatches}")
-        if not self.placement:
-            object.__setattr__(self, "placement", tuple(s % p for s in range(self.n_stages)))
-        _check_placement(tuple(self.placement), self.n_stages, p)
+        given = tuple(self.placement)  # a list given by hand is kept as a tuple, like the rest of the schedule
+        object.__setattr__(self, "placement", given or tuple(s % p for s in range(self.n_stages)))
+        _check_placement(self.placement, self.n_stages, p)
         for rank, actions in enumerate(self.ranks):
             for i, action in enumerate(actions):
                 if not 0 <= action.stage < self.n_stages or not 0 <= action.microbatch < self.n_microbatches:

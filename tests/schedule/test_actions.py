@@ -76,6 +76,8 @@ def test_a_placement_is_data_and_a_v_is_read_back_from_text() -> None:
     again = Schedule.from_text(v.to_text())
     assert again.placement == (0, 1, 1, 0) and again.ranks == v.ranks
     assert build("interleaved-1f1b", 4, 2, n_virtual=2).round_robin
+    by_hand = Schedule("v", 4, 1, ranks, placement=[0, 1, 1, 0])  # type: ignore[arg-type]
+    assert by_hand.placement == (0, 1, 1, 0) and by_hand == v
 
 
 @pytest.mark.parametrize(
