@@ -19,6 +19,7 @@ from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.pretrained import PretrainedError, PretrainedLoad, load_pretrained, weight_files
 from stagewise.pipeline.stage import StageError
+from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
 
 __all__ = [
     "Batch",
@@ -43,8 +44,11 @@ __all__ = [
     "WeightGradientFusion",
     "WeightGradientStore",
     "clip_grad_norm_",
+    "from_actions",
+    "from_torch",
     "load_pretrained",
     "materialise_model",
+    "to_torch",
     "torch_pipe",
     "weight_files",
 ]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from stagewise.pipeline import LossReduction, WeightGradientFusion
+from stagewise.schedule import Schedule
 from support.chains import Chain
 
 EVERY = WeightGradientFusion.every()
@@ -22,7 +23,7 @@ class Case:
     chain: Chain
     bounds: tuple[int, ...]
     """Stage boundaries over the chain's layers."""
-    schedule: str
+    schedule: str | Schedule
     n_virtual: int
     """Stages per rank."""
     n_microbatches: int

@@ -1,0 +1,91 @@
+"""Schedules both ways between stagewise and torch.distributed.pipelining: torch's classes imported, stagewise's
+exported, each checked by the other side's validator, and torch's V-shaped schedules trained by stagewise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.pipelining.schedules as torch_schedules
+from support.cases import Case
+from support.chains import Chain, reference
+from support.multiproc import run_ranks
+from test_pipeline_equivalence import STEPS, train_cases
+
+from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
+from stagewise.schedule import BUILDERS, StageCosts, build, simulate, validate
+
+MULTI = [
+    torch_schedules.ScheduleInterleaved1F1B,
+    torch_schedules.ScheduleLoopedBFS,
+    torch_schedules.ScheduleInterleavedZeroBubble,
+    torch_schedules.ScheduleZBVZeroBubble,
+    torch_schedules.ScheduleDualPipeV,
+]
+V_SHAPED = (torch_schedules.ScheduleZBVZeroBubble, torch_schedules.ScheduleDualPipeV)
+ROUNDS = (torch_schedules.ScheduleInterleaved1F1B, torch_schedules.ScheduleInterleavedZeroBubble)
+"""torch's schedules that take a multiple of the ranks of micro-batches."""
+
+
+@pytest.mark.parametrize("schedule_class", MULTI, ids=lambda c: c.__name__)
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (2, 7), (3, 6), (4, 8), (4, 16)])
+def test_torchs_schedules_import_and_validate(schedule_class: type, p: int, m: int) -> None:
+    if schedule_class in ROUNDS and m % p:  # torch's own refusal comes through as it is
+        with pytest.raises(ValueError, match=r"multiple of"):
+            from_torch(schedule_class, p, m, n_stages=2 * p)
+        return
+    schedule = from_torch(schedule_class, p, m, n_stages=2 * p)
+    validate(schedule)
+    assert schedule.n_ranks == p and schedule.n_microbatches == m
+    v = (*range(p), *reversed(range(p)))
+    assert schedule.placement == (v if schedule_class in V_SHAPED else tuple(s % p for s in range(2 * p)))
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize(("p", "m"), [(1, 3), (2, 4), (3, 5), (4, 8)])
+def test_every_builtin_exports_to_actions_torch_validates_and_reads_back(name: str, p: int, m: int) -> None:
+    v = 2 if BUILDERS[name].virtual else 1  # type: ignore[index]
+    if BUILDERS[name].whole_rounds and m % p:  # type: ignore[index]
+        m = p * 2
+    schedule = build(name, p * v, m, n_virtual=v)  # type: ignore[arg-type]
+    actions = to_torch(schedule)
+    torch_schedules._validate_schedule(actions, p, p * v, m)
+    again = from_actions(actions, m, name=schedule.name)
+    assert again.ranks == schedule.ranks and again.placement == schedule.placement
+
+
+def test_zbv_against_torchs_at_four_ranks_and_eight_micro_batches() -> None:
+    costs = StageCosts.of(8, forward=1.0, input_grad=1.0, weight_grad=1.0)
+    ours = simulate(build("zbv", 8, 8, n_virtual=2), costs)
+    theirs = simulate(from_torch(torch_schedules.ScheduleZBVZeroBubble, 4, 8, n_stages=8), costs)
+    assert round(ours.bubble, 6) == round(theirs.bubble, 6) == round(1 / 17, 6)
+    # Rank 0 holds stages 0 and 7: micro-batches in flight there, in half-size stages.
+    assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == 8
+    assert theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
+
+
+def test_a_class_that_is_not_a_multi_stage_schedule_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"from_torch takes one of torch's multi-stage schedule classes"):
+        from_torch(torch_schedules.Schedule1F1B, 2, 4, n_stages=2)
+    with pytest.raises(ValueError, match=r"5 stages do not spread evenly over 2 ranks; give a multiple of 2"):
+        from_torch(torch_schedules.ScheduleZBVZeroBubble, 2, 4, n_stages=5)
+
+
+def test_torchs_v_shaped_schedules_train_as_the_unsplit_model_under_stagewise() -> None:
+    chain = Chain(("linear", "gelu", "residual", "norm", "linear", "residual"), with_ids=True, seed=5)
+    cases = [
+        Case(chain, (0, 2, 3, 5, 8), from_torch(torch_schedules.ScheduleDualPipeV, 2, 4, n_stages=4), 2, 4, 9),
+        Case(chain, (0, 1, 4, 6, 8), from_torch(torch_schedules.ScheduleZBVZeroBubble, 2, 5, n_stages=4), 2, 5, 13),
+        Case(chain, (0, 1, 2, 3, 5, 6, 8), from_torch(torch_schedules.ScheduleDualPipeV, 3, 6, n_stages=6), 2, 6, 14),
+    ]
+    two = run_ranks(train_cases, 2, cases[:2], 2, timeout=240)
+    three = run_ranks(train_cases, 3, cases[2:], 3, timeout=240)
+    for case, per_rank in [(cases[0], {r: two[r][0] for r in two}), (cases[1], {r: two[r][1] for r in two}),
+                           (cases[2], {r: three[r][0] for r in three})]:  # fmt: skip
+        want = reference(case.chain, case.global_batch, STEPS)
+        got = {name: g for result in per_rank.values() for name, g in result["grads"].items()}
+        torch.testing.assert_close(
+            torch.tensor(per_rank[0]["losses"]), torch.tensor(want["losses"]), atol=1e-5, rtol=1e-5
+        )
+        assert got.keys() == want["grads"].keys()  # type: ignore[attr-defined]
+        for name, grad in want["grads"].items():  # type: ignore[attr-defined]
+            torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-5, msg=name)
