@@ -11,7 +11,7 @@ from stagewise.pipeline.config import (
     TensorParallelPlan,
 )
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
-from stagewise.pipeline.interop import torch_pipe
+from stagewise.pipeline.interop import torch_pipe, torch_runtime, torch_stages
 from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
 from stagewise.pipeline.materialise import materialise_model
 from stagewise.pipeline.microbatch import LossFn, LossReduction
@@ -50,5 +50,7 @@ __all__ = [
     "materialise_model",
     "to_torch",
     "torch_pipe",
+    "torch_runtime",
+    "torch_stages",
     "weight_files",
 ]

@@ -1,15 +1,23 @@
-"""torch_pipe(): torch.distributed.pipelining's Pipe cut where a stagewise Partition cuts, for torch's schedules."""
+"""A stagewise Partition under torch.distributed.pipelining's runtime: a traced ``Pipe`` cut where it cuts
+(:func:`torch_pipe`), or a chain's stages built directly (:func:`torch_stages`) and run by a stagewise schedule
+(:func:`torch_runtime`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 if TYPE_CHECKING:  # importing torch.distributed.pipelining takes a second and a half (dynamo, DTensor)
-    from torch.distributed.pipelining import Pipe
+    from torch.distributed.pipelining import Pipe, PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-from stagewise.partition import CapturedChain, Partition
+from stagewise.partition import CapturedChain, Partition, layers_of
+from stagewise.pipeline.torch_schedules import to_torch
+from stagewise.schedule import Schedule
 
 
 def torch_pipe(model: nn.Module, partition: Partition, mb_args: tuple[Any, ...]) -> Pipe:
@@ -50,3 +58,50 @@ def _split_here(module: nn.Module, inputs: object) -> None:
     from torch.distributed.pipelining import pipe_split
 
     pipe_split()  # type: ignore[no-untyped-call]
+
+
+def torch_stages(
+    model: nn.Module,
+    partition: Partition,
+    schedule: Schedule,
+    rank: int,
+    *,
+    device: torch.device | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[PipelineStage]:
+    """torch's ``PipelineStage`` for each stage that ``schedule`` gives ``rank``: the chain ``model``'s layers
+    between ``partition``'s bounds, as an ``nn.Sequential`` of the model's own modules (no tracing, no copy).
+    torch infers the shapes between stages at the first step."""
+    from torch.distributed.pipelining import PipelineStage
+
+    layers = layers_of(model)
+    if partition.n_layers != len(layers) or partition.n_stages != schedule.n_stages:
+        raise ValueError(
+            f"the partition has {partition.n_stages} stages of {partition.n_layers} layers, the schedule "
+            f"{schedule.n_stages} stages and the model {len(layers)} layers; partition this model for this schedule"
+        )
+    bounds = partition.bounds
+    return [
+        PipelineStage(
+            nn.Sequential(*(layer.module for layer in layers[bounds[s] : bounds[s + 1]])),
+            s,
+            schedule.n_stages,
+            device or torch.device("cpu"),
+            group=group,
+        )
+        for s in schedule.stages_of(rank)
+    ]
+
+
+def torch_runtime(
+    stages: list[PipelineStage], schedule: Schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> _PipelineScheduleRuntime:
+    """torch's schedule runtime for this rank's ``stages``, running ``schedule`` exported by :func:`to_torch` (torch
+    adds the sends and receives and reads the placement from the actions). ``step(inputs, target=..., losses=...)``
+    on the ranks of the first and last stage, ``step()`` elsewhere, as with torch's own schedules. Relies on torch's
+    private ``_PipelineScheduleRuntime`` and its ``_prepare_schedule_with_comms``, the entry for custom schedules."""
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    runtime = _PipelineScheduleRuntime(stages, schedule.n_microbatches, loss_fn=loss_fn)  # type: ignore[no-untyped-call]
+    runtime._prepare_schedule_with_comms(to_torch(schedule))
+    return runtime

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.pipelining.schedules as torch_schedules
+import torch.nn.functional as F
 from support.cases import Case
 from support.chains import Chain, reference
 from support.multiproc import run_ranks
 from test_pipeline_equivalence import STEPS, train_cases
+from torch import nn
 
+from stagewise.comm import init_mesh
+from stagewise.partition import Partition
+from stagewise.pipeline import Pipeline, torch_runtime, torch_stages
 from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
 from stagewise.schedule import BUILDERS, StageCosts, build, simulate, validate
+
+BOUNDS = (0, 2, 3, 5, 8)
+"""Four stages of the chain below, the third a lone GELU: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2."""
 
 MULTI = [
     torch_schedules.ScheduleInterleaved1F1B,
@@ -89,3 +98,54 @@ def test_torchs_v_shaped_schedules_train_as_the_unsplit_model_under_stagewise() 
         assert got.keys() == want["grads"].keys()  # type: ignore[attr-defined]
         for name, grad in want["grads"].items():  # type: ignore[attr-defined]
             torch.testing.assert_close(got[name], grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 8), nn.GELU())  # fmt: skip
+
+
+def batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(2 * m, 8, generator=g), torch.randn(2 * m, 8, generator=g)
+
+
+def zbv_under_both_runtimes(m: int) -> dict[str, object]:
+    """One step of stagewise's ZBV on this rank: under torch's runtime (exported), then under stagewise's executor."""
+    torch.set_num_threads(1)
+    mesh = init_mesh(2, timeout=30)
+    rank, schedule, (x, y) = dist.get_rank(), build("zbv", 4, m, n_virtual=2), batch(m)
+    model = chain()
+    stages = torch_stages(model, Partition.from_bounds(BOUNDS), schedule, rank, group=mesh.pp_group)
+    runtime = torch_runtime(stages, schedule, F.mse_loss)
+    losses: list[torch.Tensor] = []
+    if rank == 0:  # the V's rank 0 holds the first stage and the last
+        runtime.step(x, target=y, losses=losses)
+    else:
+        runtime.step()
+    under_torch = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    pipe = Pipeline(chain(), Partition.from_bounds(BOUNDS), schedule=schedule, n_microbatches=m, loss_fn=F.mse_loss,
+                    mesh=mesh)  # fmt: skip
+    loss = pipe.step(x, y).item()
+    under_stagewise = {name: p.grad.clone() for name, p in pipe.named_parameters() if p.grad is not None}
+    pipe.close()
+    dist.destroy_process_group()
+    losses_under_torch = [t.item() for t in losses]
+    return {"torch_losses": losses_under_torch, "torch": under_torch, "loss": loss, "stagewise": under_stagewise}
+
+
+def test_stagewise_zbv_exported_runs_under_torchs_runtime_as_under_stagewise() -> None:
+    m = 4
+    ranks = run_ranks(zbv_under_both_runtimes, 2, m, timeout=120)
+    model, (x, y) = chain(), batch(m)
+    per_microbatch = [F.mse_loss(model(x[2 * i : 2 * i + 2]), y[2 * i : 2 * i + 2]) for i in range(m)]
+    (sum(per_microbatch) / m).backward()  # torch's runtime scales each micro-batch's gradient by 1/m
+    want = {name: p.grad for name, p in model.named_parameters()}
+    assert ranks[0]["torch_losses"] == pytest.approx([t.item() for t in per_microbatch], abs=1e-6)
+    assert ranks[0]["loss"] == ranks[1]["loss"] == pytest.approx(sum(t.item() for t in per_microbatch) / m, abs=1e-6)
+    for runtime in ("torch", "stagewise"):
+        got = {name: g for r in ranks.values() for name, g in r[runtime].items()}  # type: ignore[attr-defined]
+        assert got.keys() == want.keys(), runtime
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, atol=1e-6, rtol=1e-5, msg=f"{name} under {runtime}")

@@ -19,6 +19,7 @@ from stagewise.models import build, preset
 from stagewise.partition import LayerCost, LiveBytes, Partition
 from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
+from stagewise.plan.planner import SEARCHED
 from stagewise.plan.workload import Workload, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
 from stagewise.schedule import BUILDERS, ScheduleName
@@ -200,11 +201,11 @@ def test_candidates_never_pair_zero_bubble_with_checkpointing() -> None:
     assert any(o.schedule == "1f1b" and o.activation_checkpointing for o in options)
 
 
-def test_candidates_try_every_built_in_schedule_as_its_builder_says() -> None:
-    # The planner has no list of its own: each ScheduleName is tried, the interleaved one (a virtual builder) with
-    # two stages per rank and a multiple of pp micro-batches, a split backward never with checkpointing.
+def test_candidates_try_every_searched_schedule_as_its_builder_says() -> None:
+    # Each schedule of SEARCHED is tried, the interleaved one (a virtual builder) with two stages per rank and a
+    # multiple of pp micro-batches, a split backward never with checkpointing.
     options = candidates(8, 24, 64)
-    assert {o.schedule for o in options} == set(get_args(ScheduleName))
+    assert {o.schedule for o in options} == set(SEARCHED) and set(SEARCHED) <= set(get_args(ScheduleName))
     for o in options:
         assert o.n_virtual == (2 if BUILDERS[o.schedule].virtual else 1), o
         assert not BUILDERS[o.schedule].virtual or (o.pp > 1 and o.n_microbatches % o.pp == 0), o
