@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from stagewise.schedule.actions import Action, Kind
 
@@ -48,6 +49,11 @@ class Costs:
         return self.backward[s] - self.input_grad[s]
 
 
+Preference = Literal["later-stage", "earlier-microbatch"]
+"""Which of two actions of the same priority that can start together runs first: the later stage's (nearer the
+end of its micro-batch), or the earlier micro-batch's."""
+
+
 @dataclass
 class _State:
     """What has run so far: when each action ended, and each rank's free time and micro-batches in flight."""
@@ -58,56 +64,62 @@ class _State:
 
 
 def list_schedule(
-    placement: Sequence[int], n_microbatches: int, *, split: bool, limit: Sequence[int], costs: Costs
+    placement: Sequence[int],
+    n_microbatches: int,
+    *,
+    split: bool,
+    limit: Sequence[int],
+    costs: Costs,
+    prefer: Preference = "later-stage",
 ) -> list[list[Action]]:
     """Each rank's actions, in order, for stages held as ``placement`` says (``placement[s]``: the rank of stage
     ``s``), ``n_microbatches`` micro-batches, a backward split into I and W (``split``) or whole (B), at most
-    ``limit[r]`` micro-batches in flight on rank ``r`` (each at least 1), timed by ``costs``."""
-    n_ranks = len(limit)
+    ``limit[r]`` micro-batches in flight on rank ``r`` (each at least 1), timed by ``costs``, ties broken as
+    ``prefer`` says."""
+    n_ranks, m = len(limit), n_microbatches
     first = [placement.index(r) for r in range(n_ranks)]
-    backward = Kind.I if split else Kind.B
-    todo: list[list[Action]] = [[] for _ in range(n_ranks)]
-    for s, r in enumerate(placement):
-        kinds = (Kind.F, backward, Kind.W) if split else (Kind.F, backward)
-        todo[r] += [Action(s, kind, mb) for kind in kinds for mb in range(n_microbatches)]
+    kinds = (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B)
+    mine = [[s for s, holder in enumerate(placement) if holder == r] for r in range(n_ranks)]
+    done = {(s, kind): 0 for s in range(len(placement)) for kind in kinds}  # each kind runs in micro-batch order
     state = _State({}, [0.0] * n_ranks, [0] * n_ranks)
     order: list[list[Action]] = [[] for _ in range(n_ranks)]
-    remaining = sum(len(t) for t in todo)
-    while remaining:
+
+    def best_of(r: int) -> tuple[float, int, int, int, Action] | None:
+        """Rank ``r``'s next action as things stand, keyed by when it starts, its priority and the tie-break."""
         best: tuple[float, int, int, int, Action] | None = None
-        for r in range(n_ranks):
-            for action in _candidates(todo[r]):
-                start = _ready(action, placement, state, costs, limit[r] if action.stage == first[r] else None)
+        for s in mine[r]:
+            for kind in kinds:
+                if done[(s, kind)] == m:
+                    continue
+                action = Action(s, kind, done[(s, kind)])
+                start = _ready(action, placement, state, costs, limit[r] if s == first[r] else None)
                 if start is None:
                     continue
-                key = (max(start, state.free[r]), _PRIORITY[action.kind], -action.stage, r, action)
+                tie = -s if prefer == "later-stage" else action.microbatch
+                key = (max(start, state.free[r]), _PRIORITY[kind], tie, r, action)
                 if best is None or key[:4] < best[:4]:
                     best = key
-        if best is None:
+        return best
+
+    ranked = [best_of(r) for r in range(n_ranks)]
+    for _ in range(len(placement) * len(kinds) * m):
+        chosen = min((key for key in ranked if key is not None), key=lambda key: key[:4], default=None)
+        if chosen is None:
             raise ValueError(f"no action can run next under the limit {list(limit)}: give each rank room for 1 or more")
-        start, _, _, r, action = best
+        start, _, _, r, action = chosen
         state.ends[action] = start + costs.of(action)
         state.free[r] = state.ends[action]
         if action.stage == first[r] and action.kind is Kind.F:
             state.in_flight[r] += 1
         elif action.stage == first[r] and action.kind in (Kind.B, Kind.W):
             state.in_flight[r] -= 1
-        todo[r].remove(action)
+        done[(action.stage, action.kind)] += 1
         order[r].append(action)
-        remaining -= 1
+        # Only this rank and the ranks of the neighbouring stages can have a new next action.
+        neighbours = {placement[x] for x in (action.stage - 1, action.stage + 1) if 0 <= x < len(placement)}
+        for q in {r} | neighbours:
+            ranked[q] = best_of(q)
     return order
-
-
-def _candidates(todo: list[Action]) -> list[Action]:
-    """A rank's next action of each kind on each of its stages (a stage runs each kind in micro-batch order)."""
-    seen: set[tuple[int, Kind]] = set()
-    out = []
-    for action in todo:
-        key = (action.stage, action.kind)
-        if key not in seen:
-            seen.add(key)
-            out.append(action)
-    return out
 
 
 def _ready(action: Action, placement: Sequence[int], state: _State, costs: Costs, limit: int | None) -> float | None:
