@@ -7,6 +7,7 @@ from stagewise.schedule.holdings import FREE, Holding, Pool, Pooling, PoolPolicy
 from stagewise.schedule.render import render, to_chrome_trace
 from stagewise.schedule.simulate import SimulationResult, StageCosts, simulate
 from stagewise.schedule.spans import Span
+from stagewise.schedule.synthesis import Synthesis, synthesise
 from stagewise.schedule.validate import ScheduleReport, peak_in_flight, validate
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "SimulationResult",
     "Span",
     "StageCosts",
+    "Synthesis",
     "build",
     "free_pool",
     "holdings",
@@ -34,6 +36,7 @@ __all__ = [
     "rank_pool",
     "render",
     "simulate",
+    "synthesise",
     "to_chrome_trace",
     "validate",
 ]

@@ -10,7 +10,8 @@ from types import MappingProxyType
 from typing import Literal, get_args
 
 from stagewise.schedule.actions import Action, Kind, Schedule
-from stagewise.schedule.list_scheduling import Costs, list_schedule
+from stagewise.schedule.list_scheduling import list_schedule
+from stagewise.schedule.simulate import StageCosts
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"]
 """The schedules :func:`build` knows, each with its :class:`Builder` in :data:`BUILDERS`."""
@@ -102,7 +103,8 @@ def zbv(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
     ``m >= 2p`` (0.059 at ``p = 4, m = 8`` with F = I = W, against 1F1B's 0.27).
     """
     p = n_ranks
-    return list_schedule(v_shape(p), n_microbatches, split=True, limit=[p] * p, costs=Costs.unit(2 * p))
+    unit = StageCosts.of(2 * p, forward=1.0, input_grad=1.0, weight_grad=1.0)
+    return list_schedule(v_shape(p), n_microbatches, split=True, limit=[p] * p, costs=unit)
 
 
 def zero_bubble(n_ranks: int, n_microbatches: int) -> list[list[Action]]:

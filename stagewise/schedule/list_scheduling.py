@@ -7,7 +7,8 @@ A micro-batch enters a rank with the forward of the rank's first stage, and leav
 releases its activations; that forward waits while ``limit`` micro-batches are in the
 rank, which bounds the rank's activation memory (its later stages' forwards never wait: they are how a micro-batch
 already in the rank moves on). With unit costs this
-orders the V-shaped zero-bubble schedule (ZBV); with measured costs it is the engine of schedules built for them.
+orders the V-shaped zero-bubble schedule (ZBV); with measured costs (:class:`StageCosts`) it builds schedules
+for them (:func:`stagewise.schedule.synthesise`).
 """
 
 from __future__ import annotations
@@ -17,36 +18,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stagewise.schedule.actions import Action, Kind
+from stagewise.schedule.simulate import StageCosts
 
 _PRIORITY = {Kind.B: 0, Kind.I: 0, Kind.F: 1, Kind.W: 2}
 """Among actions that can start at the same moment: backwards first, then forwards, then weight passes."""
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Seconds of each action kind per stage (one micro-batch), and of a transfer between ranks."""
-
-    forward: Sequence[float]
-    backward: Sequence[float]
-    """A whole backward, B; with a split backward, I and W share it as ``input_grad`` says."""
-    input_grad: Sequence[float]
-    """The input pass I of each stage's backward (used when the backward is split)."""
-    transfer: float = 0.0
-
-    @classmethod
-    def unit(cls, n_stages: int) -> Costs:
-        """F = I = W = 1 (B = 2), no transfer time: the costs the zero-bubble papers build their schedules for."""
-        return cls((1.0,) * n_stages, (2.0,) * n_stages, (1.0,) * n_stages)
-
-    def of(self, action: Action) -> float:
-        s = action.stage
-        if action.kind is Kind.F:
-            return self.forward[s]
-        if action.kind is Kind.B:
-            return self.backward[s]
-        if action.kind is Kind.I:
-            return self.input_grad[s]
-        return self.backward[s] - self.input_grad[s]
 
 
 Preference = Literal["later-stage", "earlier-microbatch"]
@@ -69,7 +44,7 @@ def list_schedule(
     *,
     split: bool,
     limit: Sequence[int],
-    costs: Costs,
+    costs: StageCosts,
     prefer: Preference = "later-stage",
 ) -> list[list[Action]]:
     """Each rank's actions, in order, for stages held as ``placement`` says (``placement[s]``: the rank of stage
@@ -107,7 +82,7 @@ def list_schedule(
         if chosen is None:
             raise ValueError(f"no action can run next under the limit {list(limit)}: give each rank room for 1 or more")
         start, _, _, r, action = chosen
-        state.ends[action] = start + costs.of(action)
+        state.ends[action] = start + costs.duration(action)
         state.free[r] = state.ends[action]
         if action.stage == first[r] and action.kind is Kind.F:
             state.in_flight[r] += 1
@@ -122,7 +97,9 @@ def list_schedule(
     return order
 
 
-def _ready(action: Action, placement: Sequence[int], state: _State, costs: Costs, limit: int | None) -> float | None:
+def _ready(
+    action: Action, placement: Sequence[int], state: _State, costs: StageCosts, limit: int | None
+) -> float | None:
     """When ``action`` could start as far as its inputs and its rank's memory go (``limit``: micro-batches the
     rank may hold, for a forward that brings one in); None: not yet."""
     s, mb, ends = action.stage, action.microbatch, state.ends
@@ -131,7 +108,7 @@ def _ready(action: Action, placement: Sequence[int], state: _State, costs: Costs
         end = ends.get(needed)
         if end is None:
             return None
-        return end + (costs.transfer if placement[needed.stage] != placement[s] else 0.0)
+        return end + (costs.crossing(needed.stage, s) if placement[needed.stage] != placement[s] else 0.0)
 
     if action.kind is Kind.F:
         if limit is not None and state.in_flight[placement[s]] >= limit:

@@ -15,6 +15,7 @@ from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
 from stagewise.run import Summary, TrainConfig
+from stagewise.schedule import Schedule
 
 
 def test_partition_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -132,6 +133,24 @@ def test_schedule_from_a_file(capsys: pytest.CaptureFixture[str], tmp_path: Path
     path.write_text("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1\n")
     assert main(["schedule", "--file", str(path)]) == 2
     assert "deadlock" in capsys.readouterr().err
+
+
+def test_schedule_auto_builds_for_per_stage_times_and_saves_what_loads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    saved = tmp_path / "auto.txt"
+    times = ["--forward", "0.6,1,1,1.8", "--input-grad", "0.6,1,1,1.8", "--weight-grad", "0.5,0.8,0.8,1.4"]
+    assert main(["schedule", "auto", "--stages", "4", *times, "--limit", "4", "--save", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "best built-in within the limit: 1f1b, step 47.3 (1.110x)" in out
+    assert "synthesised (round robin, I/W): 4 stages on 4 ranks, 8 micro-batches: valid" in out
+    assert "step time 42.6" in out and "peak micro-batches in flight per stage: 4 4 4 4" in out
+    assert Schedule.load(saved).n_stages == 4
+    assert main(["schedule", "1f1b", "--limit", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--limit bounds a synthesised schedule's micro-batches in flight: use it with 'auto'" in err
+    assert main(["schedule", "auto", "--forward", "1,2,3"]) == 2
+    assert "--forward has 3 values for 4 stages; give one, or one per stage" in capsys.readouterr().err
 
 
 def test_schedule_refuses_what_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

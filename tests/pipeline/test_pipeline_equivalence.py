@@ -16,6 +16,7 @@ from support.multiproc import run_ranks
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, PipelineOptions, WeightGradientFusion
+from stagewise.schedule import Schedule, StageCosts, synthesise
 
 STEPS = 3
 
@@ -124,6 +125,15 @@ def test_v_shaped_and_looped_schedules_on_three_ranks_equal_the_unsplit_model(ca
     check(case_list, 3)
 
 
+def synthesised(n_ranks: int, n_virtual: int, m: int, *, limit: int) -> Schedule:
+    """A schedule built for unequal stages: a light first, a heavy last, a split backward."""
+    n = n_ranks * n_virtual
+    forward = [1.0] * n
+    forward[0], forward[-1] = 0.5, 2.0
+    costs = StageCosts.of(n, forward=forward, input_grad=forward, weight_grad=[0.7 * f for f in forward])
+    return synthesise(costs, n_ranks, m, limit=limit).schedule
+
+
 def test_every_schedule_on_a_fixed_case() -> None:
     chain = Chain(("linear", "gelu", "residual", "norm", "linear", "residual"), with_ids=True, seed=3)
     fixed = [
@@ -139,6 +149,8 @@ def test_every_schedule_on_a_fixed_case() -> None:
         Case(chain, (0, 4, 6, 8), "zero-bubble", 1, 1, 3),
         Case(chain, (0, 1, 2, 3, 5, 6, 8), "zbv", 2, 5, 11),  # rank 0 holds the first and the last stage
         Case(chain, (0, 1, 2, 4, 5, 7, 8), "looped-bfs", 2, 3, 7),
+        Case(chain, (0, 3, 4, 8), synthesised(3, 1, 5, limit=2), 1, 5, 11),  # built for unequal stages
+        Case(chain, (0, 1, 2, 3, 5, 6, 8), synthesised(3, 2, 6, limit=3), 2, 6, 13),
     ]
     # Ranks on other hosts exchange through the transport's own gloo group, not shared memory: the same results.
     check(fixed + [replace(fixed[i], over_gloo=True) for i in (2, 6, 7, 10)], 3)
