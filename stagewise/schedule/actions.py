@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,7 +123,12 @@ class Schedule:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages that ``rank`` holds, in increasing order."""
-        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+        return self._held[rank]
+
+    @functools.cached_property
+    def _held(self) -> tuple[tuple[int, ...], ...]:
+        """Each rank's stages, read off :attr:`placement` once (the planner asks for them per layout and rank)."""
+        return tuple(tuple(s for s, r in enumerate(self.placement) if r == rank) for rank in range(self.n_ranks))
 
     @property
     def splits_backward(self) -> bool:
