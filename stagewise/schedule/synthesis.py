@@ -71,7 +71,12 @@ def synthesise(
     n_stages, m = len(costs.forward), n_microbatches
     if n_ranks < 1 or n_stages % n_ranks:
         raise ValueError(f"{n_stages} stages do not spread evenly over {n_ranks} ranks; give a multiple of {n_ranks}")
-    limits = [limit] * n_ranks if isinstance(limit, int) else list(limit) if limit is not None else [m] * n_ranks
+    if limit is None:
+        limits = [m] * n_ranks
+    elif isinstance(limit, int):
+        limits = [limit] * n_ranks
+    else:
+        limits = list(limit)
     if len(limits) != n_ranks or any(x < 1 for x in limits):
         raise ValueError(f"limit must be one number >= 1 or one per rank ({n_ranks}), got {limit!r}")
     v = n_stages // n_ranks
