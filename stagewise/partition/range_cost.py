@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,6 +72,21 @@ class RangeCost:
     one per layer); None without a head; empty: no heads."""
     ties: tuple[Tie, ...] = ()
     """Amounts of ``x`` that several layers include and a range counts once; ``x_prefix`` leaves them out."""
+    _x: list[float] = field(init=False, repr=False, compare=False)
+    _y: tuple[list[float], ...] = field(init=False, repr=False, compare=False)
+    _begin: tuple[list[float] | None, ...] = field(init=False, repr=False, compare=False)
+    _scale: list[float] | None = field(init=False, repr=False, compare=False)
+    _divisor: list[float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Python floats mirroring the arrays, for :meth:`of` in the solver's inner loop: the same IEEE doubles
+        # and the same operations as on numpy's scalars (so the same bits), without numpy's cost per element.
+        mirror = object.__setattr__
+        mirror(self, "_x", self.x_prefix.tolist())
+        mirror(self, "_y", tuple(y.tolist() for y in self.y_prefix))
+        mirror(self, "_begin", tuple(None if g is None else g.tolist() for g in self.starts))
+        mirror(self, "_scale", None if self.scale is None else self.scale.tolist())
+        mirror(self, "_divisor", self.divisor.tolist())
 
     @staticmethod
     def of_layers(
@@ -124,30 +139,32 @@ class RangeCost:
         """Whether the cost is a weighted sum of ``x`` alone, which prefix-sum searches can invert."""
         return not self.y_prefix and not self.ties
 
-    def _sum(self, t: int, start: int, stop: int) -> Any:
+    def _sum(self, t: int, start: int, stop: int) -> float:
         """``y_t`` summed over layers ``start:stop``, with the head of ``start`` when the range is not empty."""
-        y = self.y_prefix[t]
-        begin = self.starts[t] if self.starts else None
+        y = self._y[t]
+        begin = self._begin[t] if self._begin else None
         if begin is None or stop <= start:
             return y[stop] - y[start]
         return y[stop] - begin[start]
 
     def of(self, stage: int, start: int, stop: int) -> float:
         """Cost of layers ``start:stop`` on ``stage``."""
-        total = self.x_prefix[stop] - self.x_prefix[start]
+        x = self._x
+        total = x[stop] - x[start]
         for tie in self.ties:
             if tie.holds(start, stop):
                 total = total + tie.amount
-        if self.y_prefix:
-            if self.scale is not None:  # the common case, in the solver's inner loop
-                total = total + self.scale[stage] * self._sum(0, start, stop)
+        if self._y:
+            scale = self._scale
+            if scale is not None:  # the common case, in the solver's inner loop
+                total = total + scale[stage] * self._sum(0, start, stop)
             elif len(self.y_prefix) == 2:  # activations and pooled bytes: the same sums as _weighted, inlined
                 dy, dz = self._sum(0, start, stop), self._sum(1, start, stop)
                 total = total + max(a * dy + b * dz for a, b in self.forms[stage])
             else:
                 sums = [self._sum(t, start, stop) for t in range(len(self.y_prefix))]
                 total = total + max(_weighted(form, sums) for form in self.forms[stage])
-        return float(total / self.divisor[stage])
+        return float(total / self._divisor[stage])
 
     def singles(self, stage: int, start: int = 0, stop: int | None = None) -> FloatArray:
         """Cost of each layer of ``start:stop`` alone on ``stage``, by the same formula as :meth:`of`."""
