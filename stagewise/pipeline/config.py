@@ -96,6 +96,12 @@ class Compute:
     activation_checkpointing: bool = False
     """Recompute each layer's forward during backward instead of keeping its activations (less memory, one more
     forward); not with a split backward (zero-bubble)."""
+    compile: bool | str = False
+    """Compile each layer's forward with ``torch.compile`` (its backward through AOTAutograd): True uses the
+    ``"inductor"`` backend, a string names another (``"aot_eager"``, ...). Layers of one class share their graphs,
+    and equal shapes compile nothing after the first step (``Pipeline.compiled_graphs`` counts them). A compiled
+    layer's backward is one graph: under a split backward (zero-bubble) I computes its weight gradients too, and
+    W has none left to fill the bubble with."""
 
     def __post_init__(self) -> None:
         if self.autocast is not None and not isinstance(self.autocast, torch.dtype):
@@ -106,6 +112,12 @@ class Compute:
             raise TypeError(
                 f"Compute.activation_checkpointing must be True or False, got {self.activation_checkpointing!r}"
             )
+        if not isinstance(self.compile, bool | str) or self.compile == "":
+            raise TypeError(
+                f"Compute.compile must be True, False or a torch.compile backend's name, got {self.compile!r}"
+            )
+        if isinstance(self.compile, str) and self.compile not in (known := torch._dynamo.list_backends(())):
+            raise ValueError(f"Compute.compile names no torch.compile backend: {self.compile!r}; choose among {known}")
 
 
 @dataclass(frozen=True)

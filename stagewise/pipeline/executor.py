@@ -230,7 +230,7 @@ class _Run:
         s, mb, x = action.stage, action.microbatch, self.x
         data, received = self._forward_input(s, mb, incoming)
         owners: list[WeightUse] = []
-        split = self.training and (s, mb) in self.split
+        split = self.training and (s, mb) in self.split and not x.stages[s].compiled
         fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
         store, anchor = self.store, None
         if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own
@@ -310,7 +310,8 @@ class _Run:
                 extra = self._arm(s, [])
                 if extra:
                     torch.autograd.backward(extra)
-        elif action.kind is Kind.B or not (wanted or per_owner):
+        elif action.kind is Kind.B or not (wanted or per_owner) or self.x.stages[s].compiled:
+            # A compiled stage's backward is one graph: its I computes the weight gradients too (W has none left)
             input_grads = self._whole_backward(s, roots, root_grads, wanted, sync=sync)
         else:
             input_grads = self._input_backward(slot, roots, root_grads, wanted, per_owner)

@@ -18,6 +18,7 @@ from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shar
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
 from stagewise.pipeline.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
 from stagewise.pipeline.clip import Counting, clip_grad_norm_, held_copies
+from stagewise.pipeline.compiled import CompiledGraphs, backend_of
 from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
 from stagewise.pipeline.data_parallel import Replicas
 from stagewise.pipeline.executor import Executor, StepResult
@@ -50,8 +51,12 @@ def _quietly(close: Callable[..., None], **options: bool) -> None:
 def _fusion_in_effect(options: PipelineOptions, layout: Layout) -> WeightGradientFusion | None:
     """``options``' weight-gradient fusion, or None where replicas must find unused parameters (DDP learns which
     parameters a replica used from their gradient hooks, which fused backwards skip) or parameters are sharded
-    (FSDP's whole parameters and tensor parallelism's DTensors are not a fused op's to write)."""
+    (FSDP's whole parameters and tensor parallelism's DTensors are not a fused op's to write) or layers are
+    compiled (a compiled graph computes its weight gradients itself)."""
     ddp, fusion = options.data_parallel, options.fuse_weight_gradients
+    if fusion is not None and options.compute.compile:
+        log.info("compiled stages: gradient accumulation left to the compiled backward (no fusion)")
+        return None
     if fusion is not None and (fully_sharded(options.fully_sharded, layout) is not None or layout.tp > 1):
         log.info("sharded stages: gradient accumulation left to autograd (no fusion)")
         return None
@@ -199,6 +204,12 @@ class Pipeline(HeldStages):
                 f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
                 f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
             )
+        if options.compute.compile and self.mesh.layout.tp > 1:
+            raise ValueError(
+                f"Compute.compile with tp={self.mesh.layout.tp}: the tensor-parallel split turns the layers' "
+                "parameters into DTensors after they are compiled, which stagewise does not compile through; "
+                "compile with tp=1 (fsdp and dp may be above 1), or leave compile off"
+            )
         self.fusion = _fusion_in_effect(options, self.mesh.layout)
         """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
         self.device = torch.device(options.device) if options.device is not None else self.mesh.device
@@ -206,10 +217,12 @@ class Pipeline(HeldStages):
         self._shared = shared_parameters(layers)  # before materialising, which unties them
         self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
         """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
+        backend = backend_of(options.compute.compile)
+        self._compiled = None if backend is None else CompiledGraphs(backend)
         self.stages = own_stages(
             layers, self.partition.bounds, plan.stages_of(self.position), self._shared,
             making=Materialising(self.device, options.seed, initialiser_of(model, options.init)),
-            compute=options.compute, fusion=self.fusion,
+            compute=options.compute, fusion=self.fusion, compiled=self._compiled,
         )  # fmt: skip
         self.batch_norm: StatisticsSource = statistics_source(options.batch_norm, layers, self.n_microbatches)
         """Which batch moves the running statistics of the model's batch norms: ``options.batch_norm``, "auto"
@@ -304,6 +317,12 @@ class Pipeline(HeldStages):
     def is_last(self) -> bool:
         """True on the rank holding the last stage, which needs the targets and computes the loss."""
         return self.schedule.n_stages - 1 in self.stages
+
+    @property
+    def compiled_graphs(self) -> int:
+        """The graphs ``torch.compile`` compiled on this rank so far, recompilations included (0 when not compiled:
+        see ``Compute.compile``). Equal shapes compile nothing after the first step."""
+        return 0 if self._compiled is None else self._compiled.count
 
     # --- running --------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from stagewise.comm import as_tensors
 from stagewise.partition import Layer, Segment, SharedParameter
 from stagewise.pipeline.batch_norm import StageNorms
+from stagewise.pipeline.compiled import CompiledGraphs, compile_layers
 from stagewise.pipeline.config import Compute
 from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.materialise import Materialising, materialise
@@ -78,6 +79,7 @@ class StageModule(nn.Module):
         autocast: torch.dtype | None = None,
         device_type: str = "cpu",
         fusion: WeightGradientFusion | None = None,
+        compiled: CompiledGraphs | None = None,
     ) -> None:
         super().__init__()
         self.index = index
@@ -108,6 +110,11 @@ class StageModule(nn.Module):
         self.batch_norms: StageNorms | None = None
         """While set, the stage's batch norms move no running statistics in its forwards: a training forward
         (one with gradients) collects what they normalised, for one update per step (see :class:`StageNorms`)."""
+        self.compiled = compiled is not None
+        """Whether each layer runs compiled (see :mod:`.compiled`): its backward is one graph, which a split
+        backward cannot divide, so the executor gives it I and W at once, and it records no uses."""
+        if compiled is not None:
+            compile_layers(self.layers, compiled)
         for layer in self.layers:  # a segment's modules never run: its graph reports the ops that read them
             if isinstance(layer, Segment):
                 layer.record = self._record_use
@@ -301,10 +308,11 @@ def own_stages(
     making: Materialising,
     compute: Compute,
     fusion: WeightGradientFusion | None,
+    compiled: CompiledGraphs | None = None,
 ) -> dict[int, StageModule]:
     """This rank's ``stages`` of ``layers`` split at ``bounds``, materialised as ``making`` says (see
-    :func:`materialise`), run as ``compute`` says, and tied again where they share parameters (``shared``, found
-    before materialising)."""
+    :func:`materialise`), run as ``compute`` says (compiled through ``compiled`` if given), and tied again where
+    they share parameters (``shared``, found before materialising)."""
     out: dict[int, StageModule] = {}
     for s in stages:
         mine = layers[bounds[s] : bounds[s + 1]]
@@ -313,7 +321,7 @@ def own_stages(
             materialise(layer.module, index, making.device, making.seed, init=making.init, shared=shared)
         out[s] = StageModule(
             s, bounds[s], mine, checkpointing=compute.activation_checkpointing, autocast=compute.autocast,
-            device_type=making.device.type, fusion=fusion,
+            device_type=making.device.type, fusion=fusion, compiled=compiled,
         )  # fmt: skip
     retie(layers, shared, {i for s in out for i in range(bounds[s], bounds[s + 1])})
     return out

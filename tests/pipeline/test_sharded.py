@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support import gpt_steps
+from support.gpt_steps import BATCH, CLIP, STEPS, batches
 from support.multiproc import run_ranks
 from torch.distributed.tensor import DTensor
 
@@ -21,11 +23,7 @@ from stagewise.comm import PipelineMesh, init_mesh
 from stagewise.models.gpt import GPT, GPTConfig
 from stagewise.models.gpt_parallel import plan as gpt_plan
 from stagewise.partition import Partition
-from stagewise.pipeline import Diagnostics, Pipeline, PipelineOptions
-
-STEPS = 3
-CLIP = 0.05
-BATCH = 8
+from stagewise.pipeline import Compute, Diagnostics, Pipeline, PipelineOptions
 
 
 @dataclass(frozen=True)
@@ -38,29 +36,18 @@ class Case:
     n_microbatches: int
     tied: bool = True
     n_virtual: int = 1
+    compile: str | None = None
+    """The torch.compile backend the stages' layers are compiled with; None: eager."""
 
     @property
     def name(self) -> str:
         layout = f"pp{self.pp}-dp{self.dp}-fsdp{self.fsdp}-tp{self.tp}"
-        return f"{layout}-{self.schedule}-m{self.n_microbatches}{'-tied' if self.tied else ''}"
-
-
-def config(case: Case) -> GPTConfig:
-    return GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_layers=4, n_heads=4, tie_embeddings=case.tied)
+        compiled = f"-{self.compile}" if self.compile else ""
+        return f"{layout}-{self.schedule}-m{self.n_microbatches}{'-tied' if self.tied else ''}{compiled}"
 
 
 def model(case: Case) -> GPT:
-    torch.manual_seed(3)
-    return config(case).build()
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 64, (BATCH, 8), generator=g)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
+    return gpt_steps.model(tied=case.tied)
 
 
 def bounds(case: Case) -> tuple[int, ...]:
@@ -69,24 +56,7 @@ def bounds(case: Case) -> tuple[int, ...]:
 
 
 def unsplit(case: Case) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    net = model(case)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    losses, norms, grads = [], [], []
-    for ids, targets in batches():
-        opt.zero_grad()
-        loss = GPTConfig.loss(net(ids), targets)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        opt.step()
-    return {
-        "losses": losses,
-        "norms": norms,
-        "grads": grads,
-        "params": dict(net.named_parameters(remove_duplicate=False)),
-    }
+    return gpt_steps.unsplit(tied=case.tied)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -106,7 +76,9 @@ def train(case: Case) -> dict[str, Any]:
     pipe = Pipeline(
         model(case), Partition.from_bounds(bounds(case)), schedule=case.schedule,  # type: ignore[arg-type]
         n_microbatches=case.n_microbatches, loss_fn=GPTConfig.loss, mesh=mesh,  # type: ignore[arg-type]
-        options=PipelineOptions(n_virtual=case.n_virtual, tensor_parallel=gpt_plan),
+        options=PipelineOptions(
+            n_virtual=case.n_virtual, tensor_parallel=gpt_plan, compute=Compute(compile=case.compile or False)
+        ),
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     mine = mesh.share(BATCH)
@@ -149,6 +121,18 @@ def mixed_dtypes() -> str:
     try:
         Pipeline(chain, Partition.from_bounds((0, 3)), n_microbatches=1, loss_fn=torch.nn.functional.mse_loss,
                  mesh=mesh)  # fmt: skip
+    except ValueError as err:
+        return str(err)
+    return "built"
+
+
+def compiled_with_tp() -> str:
+    """The refusal of compiled layers with tensor parallelism (pp2 x tp2)."""
+    case = Case(2, 1, 1, 2, "1f1b", 2)
+    try:
+        options = PipelineOptions(tensor_parallel=gpt_plan, compute=Compute(compile=True))
+        Pipeline(model(case), Partition.from_bounds(bounds(case)), n_microbatches=2, loss_fn=GPTConfig.loss,
+                 mesh=MESHES[(2, 1, 1, 2)], options=options)  # fmt: skip
     except ValueError as err:
         return str(err)
     return "built"
@@ -200,6 +184,7 @@ def train_all(cases: list[Case]) -> dict[str, Any]:
         except Exception:  # reported by the case's own test
             out[case.name] = traceback.format_exc()
     out["mixed dtypes"] = mixed_dtypes()
+    out["compiled with tp"] = compiled_with_tp()
     out["skip"] = skipping()
     dist.destroy_process_group()
     return out
@@ -219,6 +204,11 @@ CASES = [
     Case(2, 2, 1, 1, "zero-bubble", 2),
     Case(1, 2, 2, 1, "1f1b", 2),  # HSDP: sharded within a replica, all-reduced across the two
     Case(1, 2, 1, 2, "gpipe", 2),  # tensor parallelism with replicas: HSDP over a shard of one
+    # Compiled layers (AOTAutograd's graphs, run eagerly: compiled kernels are tested in test_compiled.py), whose
+    # backward is one graph, so zero-bubble's I computes the weight gradients too, under FSDP and DDP.
+    Case(2, 1, 2, 1, "zero-bubble", 3, compile="aot_eager"),
+    Case(2, 2, 1, 1, "zero-bubble", 2, compile="aot_eager"),
+    Case(2, 2, 1, 1, "1f1b", 2, tied=False, compile="aot_eager"),
 ]
 
 
@@ -262,6 +252,15 @@ def test_a_stage_fsdp_cannot_shard_is_refused_in_one_line(outcomes: dict[int, di
             "stage 0 (layers 0 .. 2, parameters of dtypes ['float32', 'float64']) cannot be sharded by fully_shard: "
         ), message
         assert message.endswith("or train with fsdp=1"), message
+
+
+def test_compiled_layers_with_tensor_parallelism_are_refused_in_one_line(
+    outcomes: dict[int, dict[str, Any]],
+) -> None:
+    for results in outcomes.values():
+        message = results["compiled with tp"]
+        assert message.startswith("Compute.compile with tp=2: the tensor-parallel split turns"), message
+        assert message.endswith("compile with tp=1 (fsdp and dp may be above 1), or leave compile off"), message
 
 
 def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> None:
