@@ -84,6 +84,10 @@ def add(commands: Any) -> None:
         "--activation-checkpointing", action="store_true", default=None, help="recompute activations in backward"
     )
     p.add_argument(
+        "--compile", action="store_true",
+        help="compile each layer with torch.compile (inductor; the first step compiles, for seconds to minutes)",
+    )  # fmt: skip
+    p.add_argument(
         "--weight-grad-pool", dest="weight_gradient_pool", type=args.pool, default="free", metavar="K",
         help="pool K backwards' weight gradients into one GEMM per weight, or 'free' (the default): as many as "
         "fit in the pipeline's peak of micro-batches in flight (a whole step for gpipe, r + 1 on rank r for 1f1b; "

@@ -59,6 +59,8 @@ class TrainConfig:
     """Run forwards under bfloat16 autocast."""
     activation_checkpointing: bool = False
     """Recompute activations in backward instead of keeping them."""
+    compile: bool = False
+    """Compile each layer with ``torch.compile`` (inductor; see :attr:`stagewise.pipeline.Compute.compile`)."""
     weight_gradient_fusion: bool = True
     """Accumulate large linear weights' gradients inside the backward (:class:`WeightGradientFusion`); False leaves
     every weight gradient to autograd."""

@@ -236,7 +236,9 @@ def pipeline_options(config: TrainConfig) -> PipelineOptions:
         loss_reduction=goal.reduction,
         ignore_index=goal.ignore_index,
         compute=Compute(
-            autocast=torch.bfloat16 if config.bf16 else None, activation_checkpointing=config.activation_checkpointing
+            autocast=torch.bfloat16 if config.bf16 else None,
+            activation_checkpointing=config.activation_checkpointing,
+            compile=config.compile,
         ),
         diagnostics=Diagnostics(nonfinite=config.nonfinite),
         fuse_weight_gradients=fusion,

@@ -195,7 +195,7 @@ def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
     for flag in ("--model", "--stages", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
                  "--lr", "--optimizer", "--bf16", "--activation-checkpointing", "--seed", "--data", "--checkpoint-dir",
                  "--checkpoint-every", "--resume", "--trace", "--weight-grad-pool",
-                 "--no-weight-grad-fusion", "--pin-cores"):  # fmt: skip
+                 "--no-weight-grad-fusion", "--pin-cores", "--compile"):  # fmt: skip
         assert flag in text, flag
 
 
@@ -208,6 +208,7 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
     assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
     assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
     assert config().data_limit is None and config("--data-limit", "64MiB").data_limit == 64 << 20
+    assert config().compile is False and config("--compile").compile is True
 
 
 class LaunchedError(Exception):

@@ -15,6 +15,7 @@ from stagewise import checkpoint
 from stagewise.comm import LaunchError
 from stagewise.pipeline import WeightGradientFusion
 from stagewise.run import TrainConfig, build_pipeline, train
+from stagewise.run.loop import pipeline_options
 
 
 def test_resume_continues_bitwise_exactly(runs: Runs) -> None:
@@ -132,6 +133,11 @@ def test_the_weight_gradient_options_reach_the_pipeline() -> None:
         dataclasses.replace(one, weight_gradient_fusion=False),
     ]
     assert run_ranks(fusions, 1, configs)[0] == [WeightGradientFusion(), WeightGradientFusion(pool=2), None]
+
+
+def test_compile_reaches_the_pipeline() -> None:
+    assert pipeline_options(dataclasses.replace(BASE, compile=True)).compute.compile is True
+    assert pipeline_options(BASE).compute.compile is False
 
 
 def test_resume_without_a_checkpoint_dir_is_refused() -> None:
