@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues [4/9] and [7/9] in one go, on a machine with one CUDA GPU; each writes its output to $OUT.
+# The GPU checks in one go, on a machine with one CUDA GPU; each writes its output to $OUT.
 #   OUT=/tmp/gpu bash benchmarks/gpu_checks.sh
 set -u
 OUT=${OUT:-gpu-checks}
@@ -24,6 +24,9 @@ run plan_fidelity 240 "$PY" benchmarks/plan_fidelity.py --device cuda --presets 
 run hf_gpu_check 240 "$PY" benchmarks/hf_gpu_check.py --steps 3 --layers 4
 # Sharding inside stages on one GPU: FSDP's bf16 policy on a single-rank mesh against fp32 and bf16 autocast.
 run shard_gpu_check 300 "$PY" benchmarks/shard_gpu_check.py --preset gpt-small --seq-len 1024 --batch 8 --steps 6
+# Compiled and eager, fp32 and bf16 on one GPU: MFU, the executor's overhead against the bare loop, memory against
+# the plan; dropout resumed exactly from a checkpoint (the CUDA generator's state).
+run mfu_gpu_check 420 "$PY" benchmarks/mfu_gpu_check.py --presets gpt-small,gpt-medium --batch 8 --microbatches 4
 # A local Hugging Face folder trained from the command line on one GPU.
 "$PY" -c 'import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=256)).save_pretrained("/tmp/stagewise-hf-gpt2")' > /dev/null 2>&1
 run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --stages 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run

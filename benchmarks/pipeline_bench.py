@@ -26,6 +26,12 @@ the largest total of tensors that stage 0 holds at once for backward: saved
 by autograd, or kept for a pooled weight gradient; the same for stage 1. One JSON line per (d, variant):
 
     python benchmarks/pipeline_bench.py [--widths 256,1024] [--steps 6] [--block 4] [--pin-cores]
+                                        [--cut 3 --synthesise]
+
+``--cut K`` puts blocks ``0..K-1`` on stage 0 (unequal stages); ``--synthesise`` also runs the schedule
+:func:`~stagewise.schedule.synthesise` builds for the two stages' times measured on the ranks (their forward
+and backward on one micro-batch; I = W = B / 2), within 1F1B's memory, and prints its step against the fastest
+of stagewise's built-in variants in the same run.
 
 Each variant runs ``block`` consecutive steps at a time, as training runs them, the first of each block not timed
 (it follows another variant's and warms the caches); blocks go round-robin over the variants, in a rotating order,
@@ -40,6 +46,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import statistics
 import time
 import weakref
@@ -63,6 +70,7 @@ from stagewise.pipeline import (
     WeightGradientFusion,
     WeightGradientStore,
 )
+from stagewise.schedule import StageCosts, Synthesis, synthesise
 
 
 class Block(nn.Module):
@@ -237,14 +245,55 @@ class Timing:
     block: int
 
 
-def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing) -> list[dict[str, object]]:
+def _stage_costs(own: nn.Module, x: torch.Tensor, m: int) -> tuple[float, float]:
+    """Median seconds of this rank's stage's forward, and of its backward, on one micro-batch (of 7 runs)."""
+    xs = x.tensor_split(m)[0]
+    forwards, backwards = [], []
+    for _ in range(7):
+        began = time.perf_counter()
+        out = own(xs.detach().requires_grad_())
+        middle = time.perf_counter()
+        out.backward(torch.ones_like(out))
+        forwards.append(middle - began)
+        backwards.append(time.perf_counter() - middle)
+    return statistics.median(forwards), statistics.median(backwards)
+
+
+def _synthesised(own: nn.Module, x: torch.Tensor, m: int) -> Synthesis:
+    """The schedule synthesised for the stages' measured times (I = W = B / 2: the timing does not split the
+    backward; transfers not counted) within 1F1B's memory (2 micro-batches in flight a rank)."""
+    mine = _stage_costs(own, x, m)
+    both: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+    dist.all_gather_object(both, mine)
+    backward = [b for _, b in both]
+    costs = StageCosts.of(
+        2, forward=[f for f, _ in both], input_grad=[b / 2 for b in backward], weight_grad=[b / 2 for b in backward]
+    )
+    return synthesise(costs, 2, m, limit=2)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The benchmark's model, batch and split: the widths tried, the blocks, the batch, its micro-batches, where
+    the blocks split into the two stages (None: half each) and whether a synthesised schedule runs too."""
+
+    widths: list[int]
+    n_layers: int
+    batch: int
+    microbatches: int
+    cut: int | None = None
+    synthesise: bool = False
+
+
+def worker(shape: Shape, timing: Timing) -> list[dict[str, object]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)
     mesh = init_mesh(2, timeout=600)
     rank = mesh.rank
     rows: list[dict[str, object]] = []
-    for d in widths:
+    n_layers, batch, m = shape.n_layers, shape.batch, shape.microbatches
+    for d in shape.widths:
         g = torch.Generator().manual_seed(1)
         x, y = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
         variants: dict[str, Callable[[], object]] = {}
@@ -254,7 +303,7 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing)
         variants["single_full_batch"] = functools.partial(_single, full, x, y) if rank == 0 else idle
         for single, pool in SINGLES.items():
             variants[single] = functools.partial(_accumulated, full, x, y, m, pool) if rank == 0 else idle
-        half = (0, n_layers // 2, n_layers)
+        half = (0, n_layers // 2 if shape.cut is None else shape.cut, n_layers)
         pipes = {}
         for name, fusion in VARIANTS.items():
             schedule = _schedule_of(name)
@@ -269,6 +318,13 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing)
             variants[name] = functools.partial(_torch_step, sched, mine, rank, x, y)
         own = nn.Sequential(*list(model(d, n_layers))[half[rank] : half[rank + 1]])
         variants["concurrent_stages"] = functools.partial(_own_stage, own, x, m)
+        found = _synthesised(own, x, m) if shape.synthesise else None
+        if found is not None:
+            pipes["synthesised"] = Pipeline(
+                model(d, n_layers), Partition.from_bounds(half), schedule=found.schedule, n_microbatches=m,
+                loss_fn=F.mse_loss, mesh=mesh,
+            )  # fmt: skip
+            variants["stagewise_synthesised"] = functools.partial(_stagewise_step, pipes["synthesised"], x, y)
         for fn in variants.values():  # warm-up, and torch's shape inference
             fn()
             fn()
@@ -293,9 +349,29 @@ def worker(widths: list[int], n_layers: int, batch: int, m: int, timing: Timing)
                 _stagewise_step(pipe, x, y)
             memory[f"stagewise_{schedule}"] = peak[0]
         times = {name: statistics.median(v) for name, v in samples.items()}
-        rows.append({"d": d, "rank": rank, "times": times, "stage_peak_saved_bytes": memory})
+        row = {"d": d, "rank": rank, "times": times, "stage_peak_saved_bytes": memory, "bounds": half}
+        if found is not None:
+            builtin_step = found.builtin_step_time if found.builtin_step_time is not None else math.nan
+            row["synthesis"] = {"builtin": found.builtin, "simulated_speedup": builtin_step / found.step_time,
+                                "tried": found.tried, "schedule": found.schedule.to_text()}  # fmt: skip
+        rows.append(row)
     dist.destroy_process_group()
     return rows
+
+
+def _print_synthesised(d: int, row: dict[str, Any], both: dict[str, float]) -> None:
+    """The synthesised schedule's step against the fastest built-in variant of stagewise's in the same run."""
+    builtins = {name: both[f"stagewise_{name}"] for name in VARIANTS}
+    best = min(builtins, key=builtins.__getitem__)
+    synthesis = row["synthesis"]
+    print(json.dumps({
+        "d": d, "variant": "stagewise synthesised", "bounds": row["bounds"],
+        "step_ms": round(both["stagewise_synthesised"] * 1e3, 2),
+        "best_builtin": best, "best_builtin_ms": round(builtins[best] * 1e3, 2),
+        "speedup_vs_best_builtin": round(builtins[best] / both["stagewise_synthesised"], 3),
+        "simulated_builtin": synthesis["builtin"], "simulated_speedup": round(synthesis["simulated_speedup"], 3),
+        "schedule": synthesis["schedule"],
+    }), flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -313,18 +389,15 @@ def main() -> None:
         action="store_true",
         help="give each rank a core of its own (launch's pin_cores), for all variants",
     )
+    parser.add_argument("--cut", type=int, help="the first block of stage 1 (default: half the blocks)")
+    parser.add_argument(
+        "--synthesise", action="store_true",
+        help="also run a schedule synthesised for the stages' measured times, within 1F1B's memory",
+    )  # fmt: skip
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
-    out = launch(
-        worker,
-        2,
-        widths,
-        args.layers,
-        args.batch,
-        args.microbatches,
-        Timing(args.steps, args.block),
-        pin_cores=args.pin_cores,
-    )
+    shape = Shape(widths, args.layers, args.batch, args.microbatches, args.cut, args.synthesise)
+    out = launch(worker, 2, shape, Timing(args.steps, args.block), pin_cores=args.pin_cores)
     p, m = 2, args.microbatches
     for i, d in enumerate(widths):
         r0, r1 = out[0][i], out[1][i]
@@ -367,6 +440,8 @@ def main() -> None:
             ),
             flush=True,
         )
+        if args.synthesise:
+            _print_synthesised(d, r0, both)
         concurrent = both["concurrent_stages"]
         floor = concurrent * (m + p - 1) / m
         print(

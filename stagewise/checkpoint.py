@@ -180,6 +180,8 @@ def save(
         position += [progress.seed, progress.sample_length]
     state[PROGRESS] = torch.tensor(position, dtype=torch.int64)
     state[f"rng/{rank}"] = torch.get_rng_state()
+    if pipe.device.type == "cuda":  # dropout on the GPU draws from the device's generator
+        state[f"cuda_rng/{rank}"] = torch.cuda.get_rng_state(pipe.device)
     dcp_save(state, storage_writer=FileSystemWriter(partial))
     _barrier()
     if rank == 0:
@@ -299,6 +301,8 @@ class _Reading:
     """Each parameter's optimizer-state keys."""
     rng: str | None
     """This rank's RNG state key, if it saved one."""
+    cuda_rng: str | None = None
+    """This rank's CUDA generator's state key, if it saved one and this rank runs on a GPU."""
 
 
 def _reading(
@@ -328,10 +332,14 @@ def _reading(
     if PROGRESS not in stored:
         raise CheckpointError(f"{path} holds no training progress: it is not a stagewise checkpoint")
     state[PROGRESS] = _empty_like_stored(stored[PROGRESS], PROGRESS, torch.device("cpu"))
-    rng = f"rng/{dist.get_rank() if dist.is_initialized() else 0}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng, cuda_rng = f"rng/{rank}", f"cuda_rng/{rank}"
     if rng in stored:
         state[rng] = _empty_like_stored(stored[rng], rng, torch.device("cpu"))
-    return _Reading(state, ties, wanted, rng if rng in stored else None)
+    on_gpu = cuda_rng in stored and device.type == "cuda"
+    if on_gpu:  # a GPU's generator state, read on the CPU as torch.cuda.set_rng_state takes it
+        state[cuda_rng] = _empty_like_stored(stored[cuda_rng], cuda_rng, torch.device("cpu"))
+    return _Reading(state, ties, wanted, rng if rng in stored else None, cuda_rng if on_gpu else None)
 
 
 def _apply(
@@ -364,6 +372,8 @@ def _apply(
             optimizer.state[param] = {k.rpartition("/")[2]: state[k] for k in keys}
     if read.rng is not None:
         torch.set_rng_state(state[read.rng])
+    if read.cuda_rng is not None:
+        torch.cuda.set_rng_state(state[read.cuda_rng], pipe.device)
 
 
 def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> Progress:

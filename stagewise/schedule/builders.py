@@ -1,5 +1,5 @@
 """The built-in schedules, each defined once: GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble (ZB-H1) and
-the V-shaped zero-bubble ZBV."""
+the V-shaped ZBV and DualPipeV."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.list_scheduling import list_schedule
 from stagewise.schedule.simulate import StageCosts
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev"]
 """The schedules :func:`build` knows, each with its :class:`Builder` in :data:`BUILDERS`."""
 
 
@@ -107,6 +107,83 @@ def zbv(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
     return list_schedule(v_shape(p), n_microbatches, split=True, limit=[p] * p, costs=unit)
 
 
+class _RankOrder:
+    """One rank's actions as they are appended, each stage's micro-batches counted in order, W deferred in a queue."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self._next: dict[tuple[int, Kind], int] = {}
+        self._deferred: deque[Action] = deque()
+
+    def _take(self, stage: int, kind: Kind) -> int:
+        key = (stage, Kind.F if kind is Kind.F else Kind.B)  # B and I count the same backwards
+        mb = self._next.get(key, 0)
+        self._next[key] = mb + 1
+        return mb
+
+    def forward(self, stage: int) -> None:
+        self.actions.append(Action(stage, Kind.F, self._take(stage, Kind.F)))
+
+    def backward(self, stage: int, *, split: bool = False) -> None:
+        """The stage's next backward: whole (B), or its input part (I) with its W queued for :meth:`weights`."""
+        mb = self._take(stage, Kind.B)
+        self.actions.append(Action(stage, Kind.I if split else Kind.B, mb))
+        if split:
+            self._deferred.append(Action(stage, Kind.W, mb))
+
+    def weights(self) -> None:
+        """The oldest queued W, if any."""
+        if self._deferred:
+            self.actions.append(self._deferred.popleft())
+
+
+def dualpipev(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, as torch's ``ScheduleDualPipeV``) on the V placement.
+
+    Rank ``r`` holds stages ``a = r`` and ``b = 2p - 1 - r`` (:func:`v_shape`) and runs, in order:
+    ``2(p - r - 1)`` forwards of ``a``; ``r + 1`` pairs F(a), F(b); ``p - r - 1`` rounds I(b), W(b), F(b); then
+    the steady state, ``m - 2p + r + 1`` rounds F(a), B(b), F(b), B(a) (DualPipe overlaps each F with the B after
+    it: on hardware that runs them at once, its bubble shrinks further; here they run one after the other); the
+    drain, ``p - r - 1`` rounds B(b), F(b), B(a); ``r + 1`` pairs of backwards of ``b`` and ``a``, which split
+    into I and W from the middle pair on, their W deferred; the ``p - r - 1`` last backwards of ``a``, split,
+    each after a deferred W; the W left. Needs ``m >= 2p``, each rank holding at most ``2p`` stage-micro-batches.
+    """
+    p, m = n_ranks, n_microbatches
+    ranks = []
+    for r in range(p):
+        a, b = r, 2 * p - 1 - r
+        order = _RankOrder()
+        for _ in range(2 * (p - r - 1)):
+            order.forward(a)
+        for _ in range(r + 1):
+            order.forward(a)
+            order.forward(b)
+        for _ in range(p - r - 1):
+            order.backward(b, split=True)
+            order.weights()
+            order.forward(b)
+        for _ in range(m - 2 * p + r + 1):
+            order.forward(a)
+            order.backward(b)
+            order.forward(b)
+            order.backward(a)
+        for _ in range(p - r - 1):
+            order.backward(b)
+            order.forward(b)
+            order.backward(a)
+        middle = (r + 1) // 2  # from this pair on, backwards split (on an odd rank from b's, on an even from a's)
+        for i in range(r + 1):
+            order.backward(b, split=i > middle or (i == middle and r % 2 == 1))
+            order.backward(a, split=i >= middle)
+        for _ in range(p - r - 1):
+            order.weights()
+            order.backward(a, split=True)
+        for _ in range(r + 1):
+            order.weights()
+        ranks.append(order.actions)
+    return ranks
+
+
 def zero_bubble(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
     """ZB-H1 (Qi et al., 2023): backward split into I (input gradient) and W (weight gradient).
 
@@ -178,6 +255,8 @@ class Builder:
     """The only number of stages per rank it takes (the V's 2); None: any its :attr:`virtual` allows."""
     placement: Callable[[int], tuple[int, ...]] | None = None
     """(ranks) -> the rank of each stage; None: round robin (stage ``s`` on rank ``s % p``)."""
+    least_rounds: int = 0
+    """The micro-batches must be at least this many times the rank count (DualPipeV's ``2p``, one per stage)."""
 
 
 BUILDERS: Mapping[ScheduleName, Builder] = MappingProxyType(
@@ -188,6 +267,9 @@ BUILDERS: Mapping[ScheduleName, Builder] = MappingProxyType(
         "looped-bfs": Builder(looped_bfs, virtual=True),
         "zero-bubble": Builder(lambda p, v, m: zero_bubble(p, m)),
         "zbv": Builder(lambda p, v, m: zbv(p, m), virtual=True, stages_per_rank=2, placement=v_shape),
+        "dualpipev": Builder(
+            lambda p, v, m: dualpipev(p, m), virtual=True, stages_per_rank=2, placement=v_shape, least_rounds=2
+        ),
     }
 )
 """Every :data:`ScheduleName` with its builder: the one place a built-in schedule is defined."""
@@ -198,8 +280,8 @@ def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: 
 
     ``n_virtual`` is the number of stages per rank, so the pipeline has
     ``n_stages // n_virtual`` ranks; only a :attr:`Builder.virtual` schedule
-    ("interleaved-1f1b", "looped-bfs", "zbv") takes more than 1, and needs more
-    ("zbv": exactly 2, placed in a V).
+    ("interleaved-1f1b", "looped-bfs", "zbv", "dualpipev") takes more than 1, and needs more
+    ("zbv", "dualpipev": exactly 2, placed in a V).
 
     Raises:
         ValueError: an unknown name, or counts the schedule cannot take; the
@@ -238,6 +320,11 @@ def _check_shape(name: str, builder: Builder, n_stages: int, n_microbatches: int
             f"each of the n_stages / n_virtual ranks holds n_virtual stages"
         )
     n_ranks = n_stages // n_virtual
+    if n_microbatches < builder.least_rounds * n_ranks:
+        raise ValueError(
+            f"{name} needs at least {builder.least_rounds} x the ranks = {builder.least_rounds * n_ranks} "
+            f"micro-batches ({n_ranks} ranks), got {n_microbatches}; give it {builder.least_rounds * n_ranks} or more"
+        )
     if builder.whole_rounds and n_microbatches % n_ranks:
         fits = n_ranks * max(1, round(n_microbatches / n_ranks))
         raise ValueError(

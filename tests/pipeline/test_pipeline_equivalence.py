@@ -56,7 +56,8 @@ def train_cases(cases: list[Case], n_ranks: int) -> list[dict[str, object]]:
 
 
 ROUND_ROBIN = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-LOOPED_AND_V = ("looped-bfs", "zbv")  # several stages per rank, any m; the V places stages r and 2p - 1 - r on rank r
+LOOPED_AND_V = ("looped-bfs", "zbv", "dualpipev")
+"""Several stages per rank; the V places stages r and 2p - 1 - r on rank r (DualPipeV: m >= 2p)."""
 
 
 @st.composite
@@ -70,7 +71,7 @@ def cases(draw: st.DrawFn, n_ranks: int, schedules: tuple[str, ...] = ROUND_ROBI
     chain = Chain(kinds, width=8, with_ids=with_ids, seed=draw(st.integers(0, 1000)))
     n = chain.n_layers
     cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=n_stages - 1, max_size=n_stages - 1, unique=True)))
-    m = draw(st.integers(1, 8))
+    m = draw(st.integers(2 * n_ranks if schedule == "dualpipev" else 1, 8))
     if schedule == "interleaved-1f1b":
         m = n_ranks * draw(st.integers(1, max(1, 8 // n_ranks)))
     batch = draw(st.integers(m, 3 * m + 2))
@@ -149,6 +150,7 @@ def test_every_schedule_on_a_fixed_case() -> None:
         Case(chain, (0, 4, 6, 8), "zero-bubble", 1, 1, 3),
         Case(chain, (0, 1, 2, 3, 5, 6, 8), "zbv", 2, 5, 11),  # rank 0 holds the first and the last stage
         Case(chain, (0, 1, 2, 4, 5, 7, 8), "looped-bfs", 2, 3, 7),
+        Case(chain, (0, 2, 3, 4, 5, 6, 8), "dualpipev", 2, 7, 16),  # B and I/W mixed, uneven micro-batches
         Case(chain, (0, 3, 4, 8), synthesised(3, 1, 5, limit=2), 1, 5, 11),  # built for unequal stages
         Case(chain, (0, 1, 2, 3, 5, 6, 8), synthesised(3, 2, 6, limit=3), 2, 6, 13),
     ]

@@ -55,6 +55,7 @@ def test_every_builtin_exports_to_actions_torch_validates_and_reads_back(name: s
     v = 2 if BUILDERS[name].virtual else 1  # type: ignore[index]
     if BUILDERS[name].whole_rounds and m % p:  # type: ignore[index]
         m = p * 2
+    m = max(m, BUILDERS[name].least_rounds * p)  # type: ignore[index]
     schedule = build(name, p * v, m, n_virtual=v)  # type: ignore[arg-type]
     actions = to_torch(schedule)
     torch_schedules._validate_schedule(actions, p, p * v, m)
@@ -70,6 +71,23 @@ def test_zbv_against_torchs_at_four_ranks_and_eight_micro_batches() -> None:
     # Rank 0 holds stages 0 and 7: micro-batches in flight there, in half-size stages.
     assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == 8
     assert theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
+
+
+@pytest.mark.parametrize(
+    ("p", "m"), [(1, 2), (1, 5), (2, 4), (2, 7), (3, 6), (3, 11), (4, 8), (4, 16), (8, 16), (8, 32)]
+)
+def test_dualpipev_is_torchs_action_for_action(p: int, m: int) -> None:
+    ours = build("dualpipev", 2 * p, m, n_virtual=2)
+    theirs = from_torch(torch_schedules.ScheduleDualPipeV, p, m, n_stages=2 * p)  # each overlapped pair: F, then B
+    assert ours.ranks == theirs.ranks and ours.placement == theirs.placement
+
+
+def test_dualpipev_against_torchs_at_four_ranks_and_eight_micro_batches() -> None:
+    costs = StageCosts.of(8, forward=1.0, input_grad=1.0, weight_grad=1.0)
+    ours = simulate(build("dualpipev", 8, 8, n_virtual=2), costs)
+    theirs = simulate(from_torch(torch_schedules.ScheduleDualPipeV, 4, 8, n_stages=8), costs)
+    assert round(ours.bubble, 6) == round(theirs.bubble, 6) == round(1 / 17, 6)
+    assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
 
 
 def test_a_class_that_is_not_a_multi_stage_schedule_is_refused() -> None:

@@ -170,16 +170,38 @@ def test_zbv_places_a_v_holds_1f1bs_first_rank_and_idles_less_than_1f1b(p: int, 
         assert exact_bubble(result, p) < exact_bubble(plain, p)
 
 
-def test_zbv_bubble_at_four_ranks_and_eight_micro_batches() -> None:
+@settings(max_examples=80, deadline=None)
+@given(ranks, microbatches)
+def test_dualpipev_places_a_v_holds_at_most_2p_and_idles_less_than_1f1b(p: int, m: int) -> None:
+    if m < 2 * p:
+        with pytest.raises(ValueError, match=rf"^dualpipev needs at least 2 x the ranks = {2 * p} micro-batches"):
+            build("dualpipev", 2 * p, m, n_virtual=2)
+        return
+    schedule = build("dualpipev", 2 * p, m, n_virtual=2)
+    validate(schedule)
+    assert schedule.placement == (*range(p), *reversed(range(p))) and schedule.splits_backward
+    result = simulate(schedule, split_unit(2 * p))
+    peak = result.peak_in_flight
+    held = [peak[r] + peak[2 * p - 1 - r] for r in range(p)]  # half-stages in flight on rank r
+    assert held == [2 * p + 1] * p  # on every rank, one more than 1F1B's first rank holds (2p half-stages)
+    if p > 1:
+        plain = simulate(build("1f1b", p, m), StageCosts.of(p, forward=2.0, backward=4.0))
+        assert exact_bubble(result, p) < exact_bubble(plain, p)
+
+
+def test_v_shaped_bubbles_at_four_ranks_and_eight_micro_batches() -> None:
+    # F = I = W = 1 on each of 8 half-size stages (B = I + W = 2).
+    dualpipev = simulate(build("dualpipev", 8, 8, n_virtual=2), split_unit(8))
     zbv = simulate(build("zbv", 8, 8, n_virtual=2), split_unit(8))
     assert exact_bubble(zbv, 4) == Fraction(1, 17)  # 1F1B's is 3/11, ZB-H1's (one stage per rank) 1/9
+    assert exact_bubble(dualpipev, 4) == Fraction(1, 17)  # its F and B pairs one after the other, not overlapped
 
 
 def test_every_schedule_name_has_its_builder() -> None:
     # One definition per schedule: the name list and the builders are the same set, in the same order.
     assert tuple(BUILDERS) == get_args(ScheduleName)
     for name, builder in BUILDERS.items():
-        shape = (4, 2, 2) if builder.virtual else (2, 2, 1)  # stages, micro-batches, stages per rank
+        shape = (4, 4, 2) if builder.virtual else (2, 2, 1)  # stages, micro-batches, stages per rank
         schedule = build(name, shape[0], shape[1], n_virtual=shape[2])
         assert (schedule.name, schedule.n_virtual) == (name, shape[2])
         with pytest.raises(ValueError, match=r"needs n_virtual >= 2|runs one stage per rank|exactly 2 stages"):
