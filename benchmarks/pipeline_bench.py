@@ -30,8 +30,8 @@ by autograd, or kept for a pooled weight gradient; the same for stage 1. One JSO
 
 ``--cut K`` puts blocks ``0..K-1`` on stage 0 (unequal stages); ``--synthesise`` also runs the schedule
 :func:`~stagewise.schedule.synthesise` builds for the two stages' times measured on the ranks (their forward
-and backward on one micro-batch; I = W = B / 2), within 1F1B's memory, and prints its step against the fastest
-of stagewise's built-in variants in the same run.
+backward, and backward split into I and W, on one micro-batch), within 1F1B's memory, and prints its step against
+the fastest of stagewise's built-in variants in the same run.
 
 Each variant runs ``block`` consecutive steps at a time, as training runs them, the first of each block not timed
 (it follows another variant's and warms the caches); blocks go round-robin over the variants, in a rotating order,
@@ -245,29 +245,39 @@ class Timing:
     block: int
 
 
-def _stage_costs(own: nn.Module, x: torch.Tensor, m: int) -> tuple[float, float]:
-    """Median seconds of this rank's stage's forward, and of its backward, on one micro-batch (of 7 runs)."""
+def _stage_costs(own: nn.Module, x: torch.Tensor, m: int) -> tuple[float, ...]:
+    """Median seconds (of 7) of this rank's stage on one micro-batch: its forward, its whole backward, and its
+    backward split into the input's gradient (I) and then the parameters' (W), as autograd runs them."""
     xs = x.tensor_split(m)[0]
-    forwards, backwards = [], []
+    params = [p for p in own.parameters() if p.requires_grad]
+    samples: list[list[float]] = [[], [], [], []]
     for _ in range(7):
-        began = time.perf_counter()
-        out = own(xs.detach().requires_grad_())
-        middle = time.perf_counter()
+        marks = [time.perf_counter()]
+        inputs = xs.detach().requires_grad_()
+        out = own(inputs)
+        marks.append(time.perf_counter())
         out.backward(torch.ones_like(out))
-        forwards.append(middle - began)
-        backwards.append(time.perf_counter() - middle)
-    return statistics.median(forwards), statistics.median(backwards)
+        marks.append(time.perf_counter())
+        out = own(inputs)
+        began = time.perf_counter()
+        torch.autograd.grad(out, [inputs], torch.ones_like(out), retain_graph=True)
+        marks += [began, time.perf_counter()]
+        torch.autograd.grad(out, params, torch.ones_like(out))
+        marks.append(time.perf_counter())
+        for k, (a, b) in enumerate([(0, 1), (1, 2), (3, 4), (4, 5)]):
+            samples[k].append(marks[b] - marks[a])
+    return tuple(statistics.median(s) for s in samples)
 
 
 def _synthesised(own: nn.Module, x: torch.Tensor, m: int) -> Synthesis:
-    """The schedule synthesised for the stages' measured times (I = W = B / 2: the timing does not split the
-    backward; transfers not counted) within 1F1B's memory (2 micro-batches in flight a rank)."""
+    """The schedule synthesised for the stages' measured times (their forward, backward, I and W on one
+    micro-batch; transfers not counted) within 1F1B's memory (2 micro-batches in flight a rank)."""
     mine = _stage_costs(own, x, m)
-    both: list[tuple[float, float]] = [(0.0, 0.0), (0.0, 0.0)]
+    both: list[tuple[float, ...]] = [(), ()]
     dist.all_gather_object(both, mine)
-    backward = [b for _, b in both]
+    f, b, i, w = ([stage[k] for stage in both] for k in range(4))
     costs = StageCosts.of(
-        2, forward=[f for f, _ in both], input_grad=[b / 2 for b in backward], weight_grad=[b / 2 for b in backward]
+        2, forward=f, backward=b, input_grad=i, weight_grad=[max(y, z - x) for x, y, z in zip(i, w, b, strict=True)]
     )
     return synthesise(costs, 2, m, limit=2)
 

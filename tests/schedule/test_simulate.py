@@ -59,14 +59,24 @@ def test_costs_take_numpy_numbers() -> None:
         ({"input_grad": 5.0, "backward": 2.0}, r"input_grad takes 5 on stage 0, more than the whole backward \(2\)"),
         ({"weight_grad": [1.0, 3.0]}, r"weight_grad takes 3 on stage 1, more than the whole backward \(2\)"),
         (
-            {"backward": 2.0, "input_grad": 1.5, "weight_grad": 1.5},  # was accepted, and zero-bubble came out slower
-            r"input_grad \(1.5\) \+ weight_grad \(1.5\) = 3 on stage 0, but backward is 2: .* give two of the three",
+            {"backward": 2.0, "input_grad": 0.5, "weight_grad": 1.0},
+            r"input_grad \(0.5\) \+ weight_grad \(1\) = 1.5 on stage 0, less than backward \(2\): .* give two of the",
         ),
     ],
 )
 def test_bad_costs(kwargs: dict[str, object], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         StageCosts.of(2, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_measured_split_that_costs_more_than_the_whole_backward_slows_zero_bubble() -> None:
+    # Measured: I and W each walk the graph, so together they take 3 where B takes 2.
+    split = StageCosts.of(2, forward=1.0, backward=2.0, input_grad=1.5, weight_grad=1.5)
+    assert (split.backward, split.input_grad, split.weight_grad) == ((2.0, 2.0), (1.5, 1.5), (1.5, 1.5))
+    exact = StageCosts.of(2, forward=1.0, input_grad=1.0, weight_grad=1.0)
+    schedule = build("zero-bubble", 2, 4)
+    assert simulate(schedule, split).step_time > simulate(schedule, exact).step_time
+    assert simulate(build("1f1b", 2, 4), split).step_time == simulate(build("1f1b", 2, 4), exact).step_time
 
 
 def test_costs_must_match_the_schedule() -> None:
