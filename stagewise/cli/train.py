@@ -171,6 +171,8 @@ def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
     planned["batch_size"] = chosen["batch_size"]
     planned["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
     planned["partition"] = tuple(chosen["partition"])
+    if chosen.get("schedule_text"):  # a schedule synthesised for the planned stages (plan --synthesise)
+        planned["schedule_text"] = chosen["schedule_text"]
     for key in ("seq_len", "optimizer"):  # plans of other presets, and older plans, may leave these out
         if chosen.get(key):
             planned[key] = chosen[key]

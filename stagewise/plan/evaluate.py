@@ -387,6 +387,16 @@ def _rank_activation(setting: _Setting, stages: Sequence[range]) -> list[float]:
     ]
 
 
+def stage_costs(option: Option, workload: Workload, cluster: Cluster) -> StageCosts:
+    """What each stage of an evaluated ``option`` (one with its partition) costs per micro-batch, as its step was
+    simulated: compute on its device, the transfer after it, the activations it keeps."""
+    setting = _setting(option, workload, cluster)
+    if isinstance(setting, str) or option.partition is None:
+        raise ValueError(f"{option.describe()} has no partition to cost: {option.rejected or setting}")
+    b = option.partition.bounds
+    return _stage_costs(setting, [range(b[s], b[s + 1]) for s in range(len(b) - 1)], cluster)
+
+
 def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     """The partition, simulated step time and memory of ``option``; or why it cannot run."""
     setting = _setting(option, workload, cluster)

@@ -68,8 +68,17 @@ class Plan:
     def best(self) -> Option | None:
         return self.options[0] if self.options else None
 
-    def to_json(self, workload: Workload, *, model: str, seq_len: int | None, optimizer: str | None = None) -> str:
-        """The best option as the JSON that ``stagewise train --plan`` reads."""
+    def to_json(
+        self,
+        workload: Workload,
+        *,
+        model: str,
+        seq_len: int | None,
+        optimizer: str | None = None,
+        schedule_text: str | None = None,
+    ) -> str:
+        """The best option as the JSON that ``stagewise train --plan`` reads; with ``schedule_text``, a schedule
+        (synthesised for its stages) that train runs instead of the option's."""
         best = self.best
         if best is None or best.partition is None:
             raise ValueError("no layout fits, so there is no plan to write")
@@ -88,6 +97,7 @@ class Plan:
                 "activation_checkpointing": best.activation_checkpointing,
                 "optimizer": optimizer,
                 "partition": list(best.partition.bounds),
+                **({"schedule_text": schedule_text} if schedule_text is not None else {}),
                 "predicted": {
                     "step_time": best.step_time,
                     "bubble": best.bubble,

@@ -37,6 +37,9 @@ class TrainConfig:
     """Ranks each layer is split over (tensor parallelism: GPT presets' attention heads, MLP and vocabulary)."""
     schedule: ScheduleName = "1f1b"
     """Pipeline schedule."""
+    schedule_text: str | None = None
+    """A schedule in the text form (:meth:`~stagewise.schedule.Schedule.to_text`), trained instead of
+    :attr:`schedule`: one ``stagewise plan --synthesise`` built for the planned stages; None: :attr:`schedule`."""
     microbatches: int = 4
     """Micro-batches per step and replica."""
     batch_size: int = 16

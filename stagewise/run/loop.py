@@ -47,6 +47,7 @@ from stagewise.run.objective import objective
 from stagewise.run.resume import starting_point
 from stagewise.run.stopping import StopSignal, StopSignals
 from stagewise.run.user_model import UserModel, model_of
+from stagewise.schedule import Schedule, ScheduleName
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def preflight(config: TrainConfig) -> None:
         else balance([1.0] * len(layers), n_stages)
     )
     checked_schedule(
-        layers, part, config.schedule, config.microbatches, loss_fn=objective(model_config).loss_fn,
+        layers, part, schedule_of(config), config.microbatches, loss_fn=objective(model_config).loss_fn,
         options=pipeline_options(config),
     )  # fmt: skip
     train_data, val_data = _datasets(config, model_config)
@@ -213,7 +214,7 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
     pipe = Pipeline(
         model,
         part,
-        schedule=config.schedule,
+        schedule=schedule_of(config),
         n_microbatches=config.microbatches,
         loss_fn=objective(model_config).loss_fn,
         mesh=mesh,
@@ -223,6 +224,13 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
     if weights is not None:
         load_pretrained(pipe, weights)
     return pipe
+
+
+def schedule_of(config: TrainConfig) -> ScheduleName | Schedule:
+    """The schedule ``config`` trains: its :attr:`~TrainConfig.schedule_text` read, else its schedule's name."""
+    if config.schedule_text is None:
+        return config.schedule
+    return Schedule.from_text(config.schedule_text, name="planned")
 
 
 def pipeline_options(config: TrainConfig) -> PipelineOptions:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import get_args
 
@@ -20,9 +21,11 @@ from stagewise.partition import LayerCost, LiveBytes, Partition
 from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.planner import SEARCHED
+from stagewise.plan.synthesised import synthesised
 from stagewise.plan.workload import Workload, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
-from stagewise.schedule import BUILDERS, ScheduleName
+from stagewise.run.loop import schedule_of
+from stagewise.schedule import BUILDERS, Schedule, ScheduleName, peak_in_flight, validate
 from stagewise.schedule import build as build_schedule
 
 GiB = 2**30
@@ -191,6 +194,38 @@ def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pyt
     broken.write_text(json.dumps({"model": "gpt-tiny"}))
     assert main(["train", "--plan", str(broken)]) == 2
     assert "the plan lacks ['stages', 'dp'" in capsys.readouterr().err
+
+
+def test_plan_synthesise_writes_a_schedule_for_the_stages_that_train_takes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "4GiB", "--global-batch", "8",
+            "--seq-len", "32", "--json", str(out), "--synthesise"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    line = re.search(r"synthesised for these stages: pipeline (\S+) s against (\S+)'s (\S+) s \((\S+)x\)", text)
+    assert line is not None and float(line[1]) < float(line[3]), text
+    chosen = load_plan(out.read_text())
+    schedule = Schedule.from_text(chosen["schedule_text"])
+    validate(schedule)
+    assert (schedule.n_ranks, schedule.n_microbatches) == (chosen["stages"], chosen["microbatches"])
+    assert max(peak_in_flight(schedule)) <= max(
+        peak_in_flight(build_schedule(chosen["schedule"], 2, schedule.n_microbatches))
+    )
+    config = config_of(parser().parse_args(["train", "--plan", str(out)]))
+    assert config.schedule_text == chosen["schedule_text"] and schedule_of(config).ranks == schedule.ranks  # type: ignore[union-attr]
+
+
+def test_no_schedule_is_synthesised_where_it_could_not_run_or_keep_the_memory() -> None:
+    work = gpt_workload("gpt-small", 16, 256)
+    cluster = Cluster((Device(80 * GiB, 100e12),) * 2)
+    checkpointed = evaluate(Option(2, 1, 1, 4, "1f1b", True), work, cluster)
+    assert synthesised(checkpointed, work, cluster) == "activation checkpointing does not combine with a split backward"
+    interleaved = evaluate(Option(2, 1, 2, 4, "interleaved-1f1b", False), work, cluster)
+    assert str(synthesised(interleaved, work, cluster)).startswith("2 stages per rank: ")
+    plain = synthesised(evaluate(Option(2, 1, 1, 4, "1f1b", False), work, cluster), work, cluster)
+    assert not isinstance(plain, str) and max(peak_in_flight(plain.schedule)) <= 2
 
 
 def test_candidates_never_pair_zero_bubble_with_checkpointing() -> None:
