@@ -10,8 +10,6 @@ from types import MappingProxyType
 from typing import Literal, get_args
 
 from stagewise.schedule.actions import Action, Kind, Schedule
-from stagewise.schedule.list_scheduling import list_schedule
-from stagewise.schedule.simulate import StageCosts
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev"]
 """The schedules :func:`build` knows, each with its :class:`Builder` in :data:`BUILDERS`."""
@@ -95,16 +93,50 @@ def v_shape(n_ranks: int) -> tuple[int, ...]:
 
 
 def zbv(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
-    """ZB-V (Qi et al., 2023, section 6): zero-bubble's split backward on the V placement (:func:`v_shape`).
+    """ZB-V (Qi et al., 2023, section 6, as torch's ``ScheduleZBVZeroBubble``): zero-bubble's split backward on
+    the V placement (:func:`v_shape`).
 
-    Ordered by list scheduling unit-time F, I and W (:func:`~stagewise.schedule.list_scheduling.list_schedule`)
-    with at most ``p`` micro-batches in a rank: each rank then holds at most ``2p`` stage-micro-batches of stages
-    half the size of 1F1B's, 1F1B's peak activation memory on its first rank, with a bubble near zero once
-    ``m >= 2p`` (0.059 at ``p = 4, m = 8`` with F = I = W, against 1F1B's 0.27).
+    Rank ``r`` holds stages ``a = r`` and ``b = 2p - 1 - r`` and runs, for ``n = max(m, 2p - 1)`` micro-batches
+    (those past ``m`` then dropped): ``2(p - r) - 1`` forwards of ``a``; ``r`` pairs F(b), F(a); ``p - r``
+    rounds F(b), I(b), W(b); the steady state of rounds F(a), I(a), W(a), F(b), I(b), W(b) (F(a) while any is
+    left) until both stages have run every forward; ``r`` pairs I(a), I(b) with their W deferred; ``p - r``
+    rounds I(a) and the oldest deferred W(a); the deferred W of ``b``, then of ``a``. With F = I = W its bubble
+    at ``p = 4, m = 8`` is 1/17 (1F1B's 3/11), and its order keeps it when transfers take time.
     """
-    p = n_ranks
-    unit = StageCosts.of(2 * p, forward=1.0, input_grad=1.0, weight_grad=1.0)
-    return list_schedule(v_shape(p), n_microbatches, split=True, limit=[p] * p, costs=unit)
+    p, m = n_ranks, n_microbatches
+    n = max(m, 2 * p - 1)
+    ranks = []
+    for r in range(p):
+        a, b = r, 2 * p - 1 - r
+        order = _RankOrder()
+        for _ in range(2 * (p - r) - 1):
+            order.forward(a)
+        for _ in range(r):
+            order.forward(b)
+            order.forward(a)
+        for _ in range(p - r):
+            order.forward(b)
+            order.backward(b, split=True)
+            order.weights(b)
+        while order.count(b, Kind.F) < order.count(a, Kind.F) or order.count(a, Kind.F) < n:
+            if order.count(a, Kind.F) < n:
+                order.forward(a)
+            for stage in (a, b):
+                if stage == b:
+                    order.forward(b)
+                order.backward(stage, split=True)
+                order.weights(stage)
+        for _ in range(r):
+            order.backward(a, split=True)
+            order.backward(b, split=True)
+        for _ in range(p - r):
+            order.backward(a, split=True)
+            order.weights(a)
+        for stage in (b, a):
+            while order.pending(stage):
+                order.weights(stage)
+        ranks.append([action for action in order.actions if action.microbatch < m])
+    return ranks
 
 
 class _RankOrder:
@@ -113,13 +145,17 @@ class _RankOrder:
     def __init__(self) -> None:
         self.actions: list[Action] = []
         self._next: dict[tuple[int, Kind], int] = {}
-        self._deferred: deque[Action] = deque()
+        self._deferred: list[Action] = []
 
     def _take(self, stage: int, kind: Kind) -> int:
         key = (stage, Kind.F if kind is Kind.F else Kind.B)  # B and I count the same backwards
         mb = self._next.get(key, 0)
         self._next[key] = mb + 1
         return mb
+
+    def count(self, stage: int, kind: Kind) -> int:
+        """The stage's forwards (F) or backwards (B or I) appended so far."""
+        return self._next.get((stage, kind), 0)
 
     def forward(self, stage: int) -> None:
         self.actions.append(Action(stage, Kind.F, self._take(stage, Kind.F)))
@@ -131,10 +167,15 @@ class _RankOrder:
         if split:
             self._deferred.append(Action(stage, Kind.W, mb))
 
-    def weights(self) -> None:
-        """The oldest queued W, if any."""
-        if self._deferred:
-            self.actions.append(self._deferred.popleft())
+    def pending(self, stage: int) -> bool:
+        """Whether a W of ``stage`` is queued."""
+        return any(w.stage == stage for w in self._deferred)
+
+    def weights(self, stage: int | None = None) -> None:
+        """The oldest queued W (of ``stage``, if given), if any."""
+        found = next((k for k, w in enumerate(self._deferred) if stage is None or w.stage == stage), None)
+        if found is not None:
+            self.actions.append(self._deferred.pop(found))
 
 
 def dualpipev(n_ranks: int, n_microbatches: int) -> list[list[Action]]:

@@ -6,9 +6,8 @@ fills time that would be idle), and the later stage before the earlier (it is ne
 A micro-batch enters a rank with the forward of the rank's first stage, and leaves it when that stage's B (or W)
 releases its activations; that forward waits while ``limit`` micro-batches are in the
 rank, which bounds the rank's activation memory (its later stages' forwards never wait: they are how a micro-batch
-already in the rank moves on). With unit costs this
-orders the V-shaped zero-bubble schedule (ZBV); with measured costs (:class:`StageCosts`) it builds schedules
-for them (:func:`stagewise.schedule.synthesise`).
+already in the rank moves on). With measured costs (:class:`StageCosts`), transfers included, it builds
+schedules for them (:func:`stagewise.schedule.synthesise`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from stagewise.comm import init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, torch_runtime, torch_stages
 from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
-from stagewise.schedule import BUILDERS, StageCosts, build, simulate, validate
+from stagewise.schedule import BUILDERS, Schedule, StageCosts, build, simulate, validate
 
 BOUNDS = (0, 2, 3, 5, 8)
 """Four stages of the chain below, the third a lone GELU: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2."""
@@ -63,14 +63,38 @@ def test_every_builtin_exports_to_actions_torch_validates_and_reads_back(name: s
     assert again.ranks == schedule.ranks and again.placement == schedule.placement
 
 
+@pytest.mark.parametrize(
+    ("p", "m"), [(1, 1), (1, 4), (2, 1), (2, 3), (3, 4), (3, 11), (4, 8), (4, 16), (8, 9), (8, 32)]
+)
+def test_zbv_is_torchs_action_for_action(p: int, m: int) -> None:
+    ours = build("zbv", 2 * p, m, n_virtual=2)
+    theirs = from_torch(torch_schedules.ScheduleZBVZeroBubble, p, m, n_stages=2 * p)
+    assert ours.ranks == theirs.ranks and ours.placement == theirs.placement
+
+
 def test_zbv_against_torchs_at_four_ranks_and_eight_micro_batches() -> None:
     costs = StageCosts.of(8, forward=1.0, input_grad=1.0, weight_grad=1.0)
     ours = simulate(build("zbv", 8, 8, n_virtual=2), costs)
     theirs = simulate(from_torch(torch_schedules.ScheduleZBVZeroBubble, 4, 8, n_stages=8), costs)
     assert round(ours.bubble, 6) == round(theirs.bubble, 6) == round(1 / 17, 6)
     # Rank 0 holds stages 0 and 7: micro-batches in flight there, in half-size stages.
-    assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == 8
-    assert theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
+    assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
+
+
+def test_v_shaped_schedules_under_torchs_own_simulator() -> None:
+    # torch's simulator steps through the exported actions with their sends and receives, one step each.
+    p, n = 4, 8
+
+    def v(stage: int) -> int:
+        return stage if stage < p else 2 * p - 1 - stage
+
+    def steps(schedule: Schedule) -> int:
+        actions = torch_schedules._add_send_recv(to_torch(schedule), stage_to_rank=v, num_stages=n)
+        return max(len(a) for a in torch_schedules._simulate_comms_compute(actions, v, n).values())
+
+    for name, cls in (("zbv", torch_schedules.ScheduleZBVZeroBubble), ("dualpipev", torch_schedules.ScheduleDualPipeV)):
+        ours = steps(build(name, n, 8, n_virtual=2))  # type: ignore[arg-type]
+        assert ours == steps(from_torch(cls, p, 8, n_stages=n)) == {"zbv": 133, "dualpipev": 125}[name]
 
 
 @pytest.mark.parametrize(
