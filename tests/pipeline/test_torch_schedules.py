@@ -63,19 +63,25 @@ def test_every_builtin_exports_to_actions_torch_validates_and_reads_back(name: s
     assert again.ranks == schedule.ranks and again.placement == schedule.placement
 
 
-@pytest.mark.parametrize(
-    ("p", "m"), [(1, 1), (1, 4), (2, 1), (2, 3), (3, 4), (3, 11), (4, 8), (4, 16), (8, 9), (8, 32)]
-)
-def test_zbv_is_torchs_action_for_action(p: int, m: int) -> None:
-    ours = build("zbv", 2 * p, m, n_virtual=2)
-    theirs = from_torch(torch_schedules.ScheduleZBVZeroBubble, p, m, n_stages=2 * p)
-    assert ours.ranks == theirs.ranks and ours.placement == theirs.placement
+V_SHAPED_BUILTINS = {"zbv": torch_schedules.ScheduleZBVZeroBubble, "dualpipev": torch_schedules.ScheduleDualPipeV}
+"""stagewise's V-shaped schedules and torch's same-named ones."""
 
 
-def test_zbv_against_torchs_at_four_ranks_and_eight_micro_batches() -> None:
+@pytest.mark.parametrize("name", list(V_SHAPED_BUILTINS))
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+def test_the_v_shaped_builtins_are_torchs_action_for_action(name: str, p: int) -> None:
+    least = BUILDERS[name].least_rounds * p  # type: ignore[index]
+    for m in sorted({max(m, least) for m in (1, p + 1, 2 * p, 2 * p + 3, 32)}):
+        ours = build(name, 2 * p, m, n_virtual=2)  # type: ignore[arg-type]
+        theirs = from_torch(V_SHAPED_BUILTINS[name], p, m, n_stages=2 * p)  # DualPipeV's overlapped pair: F, then B
+        assert ours.ranks == theirs.ranks and ours.placement == theirs.placement, m
+
+
+@pytest.mark.parametrize("name", list(V_SHAPED_BUILTINS))
+def test_the_v_shaped_builtins_against_torchs_at_four_ranks_and_eight_micro_batches(name: str) -> None:
     costs = StageCosts.of(8, forward=1.0, input_grad=1.0, weight_grad=1.0)
-    ours = simulate(build("zbv", 8, 8, n_virtual=2), costs)
-    theirs = simulate(from_torch(torch_schedules.ScheduleZBVZeroBubble, 4, 8, n_stages=8), costs)
+    ours = simulate(build(name, 8, 8, n_virtual=2), costs)  # type: ignore[arg-type]
+    theirs = simulate(from_torch(V_SHAPED_BUILTINS[name], 4, 8, n_stages=8), costs)
     assert round(ours.bubble, 6) == round(theirs.bubble, 6) == round(1 / 17, 6)
     # Rank 0 holds stages 0 and 7: micro-batches in flight there, in half-size stages.
     assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
@@ -92,26 +98,9 @@ def test_v_shaped_schedules_under_torchs_own_simulator() -> None:
         actions = torch_schedules._add_send_recv(to_torch(schedule), stage_to_rank=v, num_stages=n)
         return max(len(a) for a in torch_schedules._simulate_comms_compute(actions, v, n).values())
 
-    for name, cls in (("zbv", torch_schedules.ScheduleZBVZeroBubble), ("dualpipev", torch_schedules.ScheduleDualPipeV)):
+    for name, cls in V_SHAPED_BUILTINS.items():
         ours = steps(build(name, n, 8, n_virtual=2))  # type: ignore[arg-type]
         assert ours == steps(from_torch(cls, p, 8, n_stages=n)) == {"zbv": 133, "dualpipev": 125}[name]
-
-
-@pytest.mark.parametrize(
-    ("p", "m"), [(1, 2), (1, 5), (2, 4), (2, 7), (3, 6), (3, 11), (4, 8), (4, 16), (8, 16), (8, 32)]
-)
-def test_dualpipev_is_torchs_action_for_action(p: int, m: int) -> None:
-    ours = build("dualpipev", 2 * p, m, n_virtual=2)
-    theirs = from_torch(torch_schedules.ScheduleDualPipeV, p, m, n_stages=2 * p)  # each overlapped pair: F, then B
-    assert ours.ranks == theirs.ranks and ours.placement == theirs.placement
-
-
-def test_dualpipev_against_torchs_at_four_ranks_and_eight_micro_batches() -> None:
-    costs = StageCosts.of(8, forward=1.0, input_grad=1.0, weight_grad=1.0)
-    ours = simulate(build("dualpipev", 8, 8, n_virtual=2), costs)
-    theirs = simulate(from_torch(torch_schedules.ScheduleDualPipeV, 4, 8, n_stages=8), costs)
-    assert round(ours.bubble, 6) == round(theirs.bubble, 6) == round(1 / 17, 6)
-    assert ours.peak_in_flight[0] + ours.peak_in_flight[7] == theirs.peak_in_flight[0] + theirs.peak_in_flight[7] == 9
 
 
 def test_a_class_that_is_not_a_multi_stage_schedule_is_refused() -> None:

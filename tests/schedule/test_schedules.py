@@ -154,21 +154,25 @@ def test_looped_bfs_holds_every_micro_batch_on_every_stage_for_the_looped_gpipe_
         assert exact_bubble(result, p) == Fraction(p - 1, v * m + p - 1)
 
 
+def v_held(name: str, p: int, m: int) -> tuple[list[int], Fraction]:
+    """A V-shaped schedule built, validated and simulated with F = I = W = 1 on each of its 2p half-size stages:
+    the half-stages in flight on each rank at its fullest, and its bubble, which is below 1F1B's for p > 1."""
+    schedule = build(name, 2 * p, m, n_virtual=2)  # type: ignore[arg-type]
+    validate(schedule)
+    assert schedule.placement == (*range(p), *reversed(range(p))) and schedule.splits_backward
+    result = simulate(schedule, split_unit(2 * p))
+    bubble = exact_bubble(result, p)
+    if p > 1:  # 1F1B's whole stages: F = 2, B = 4
+        assert bubble < exact_bubble(simulate(build("1f1b", p, m), StageCosts.of(p, forward=2.0, backward=4.0)), p)
+    return [result.peak_in_flight[r] + result.peak_in_flight[2 * p - 1 - r] for r in range(p)], bubble
+
+
 @settings(max_examples=80, deadline=None)
 @given(ranks, microbatches)
 def test_zbv_places_a_v_holds_at_most_one_more_than_1f1bs_first_rank_and_idles_less(p: int, m: int) -> None:
-    schedule = build("zbv", 2 * p, m, n_virtual=2)
-    validate(schedule)
-    assert schedule.placement == (*range(p), *reversed(range(p))) and schedule.splits_backward
-    # Each of 2p stages is half of one of 1F1B's p stages: F = I = W = 1 against 1F1B's F = 2, B = 4.
-    result = simulate(schedule, split_unit(2 * p))
-    peak = result.peak_in_flight
-    held = [peak[r] + peak[2 * p - 1 - r] for r in range(p)]  # half-stages in flight on rank r
+    held, _ = v_held("zbv", p, m)
     # 1F1B's first rank holds min(p, m) whole stages, 2 min(p, m) half ones: ZBV's holds at most one more.
     assert held[0] == min(m, 2 * p) + 1 and max(held) == min(2 * m, 2 * p + 1)
-    if p > 1:
-        plain = simulate(build("1f1b", p, m), StageCosts.of(p, forward=2.0, backward=4.0))
-        assert exact_bubble(result, p) < exact_bubble(plain, p)
 
 
 @settings(max_examples=80, deadline=None)
@@ -178,16 +182,8 @@ def test_dualpipev_places_a_v_holds_at_most_2p_and_idles_less_than_1f1b(p: int, 
         with pytest.raises(ValueError, match=rf"^dualpipev needs at least 2 x the ranks = {2 * p} micro-batches"):
             build("dualpipev", 2 * p, m, n_virtual=2)
         return
-    schedule = build("dualpipev", 2 * p, m, n_virtual=2)
-    validate(schedule)
-    assert schedule.placement == (*range(p), *reversed(range(p))) and schedule.splits_backward
-    result = simulate(schedule, split_unit(2 * p))
-    peak = result.peak_in_flight
-    held = [peak[r] + peak[2 * p - 1 - r] for r in range(p)]  # half-stages in flight on rank r
+    held, _ = v_held("dualpipev", p, m)
     assert held == [2 * p + 1] * p  # on every rank, one more than 1F1B's first rank holds (2p half-stages)
-    if p > 1:
-        plain = simulate(build("1f1b", p, m), StageCosts.of(p, forward=2.0, backward=4.0))
-        assert exact_bubble(result, p) < exact_bubble(plain, p)
 
 
 def test_v_shaped_bubbles_at_four_ranks_and_eight_micro_batches() -> None:
