@@ -121,11 +121,11 @@ def zbv(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
         while order.count(b, Kind.F) < order.count(a, Kind.F) or order.count(a, Kind.F) < n:
             if order.count(a, Kind.F) < n:
                 order.forward(a)
-            for stage in (a, b):
-                if stage == b:
-                    order.forward(b)
-                order.backward(stage, split=True)
-                order.weights(stage)
+            order.backward(a, split=True)
+            order.weights(a)
+            order.forward(b)
+            order.backward(b, split=True)
+            order.weights(b)
         for _ in range(r):
             order.backward(a, split=True)
             order.backward(b, split=True)
@@ -187,7 +187,7 @@ def dualpipev(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
     it: on hardware that runs them at once, its bubble shrinks further; here they run one after the other); the
     drain, ``p - r - 1`` rounds B(b), F(b), B(a); ``r + 1`` pairs of backwards of ``b`` and ``a``, which split
     into I and W from the middle pair on, their W deferred; the ``p - r - 1`` last backwards of ``a``, split,
-    each after a deferred W; the W left. Needs ``m >= 2p``, each rank holding at most ``2p`` stage-micro-batches.
+    each after a deferred W; the W left. Needs ``m >= 2p``; each rank holds at most ``2p + 1`` stage-micro-batches.
     """
     p, m = n_ranks, n_microbatches
     ranks = []
