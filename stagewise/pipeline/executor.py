@@ -184,8 +184,11 @@ class _Run:
         """Indices of the actions whose backward all-reduces a stage's gradients over its replicas."""
         self.unfused = {(actions[i].stage, actions[i].microbatch) for i in self.sync}
         """Forwards whose backward DDP's hooks must see, so it accumulates through autograd."""
-        self.split = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.I}
-        """Forwards whose backward is split into I and W (a schedule may split some and not others)."""
+        self.split = {
+            (a.stage, a.microbatch) for a in actions if a.kind is Kind.I and not executor.stages[a.stage].compiled
+        }
+        """Forwards whose backward is split into I and W (a schedule may split some and not others). Not a compiled
+        stage's: its backward is one graph, so its I runs the whole backward and its W has nothing left to do."""
         fusion = executor.fusion if training else None
         self.pool = executor.pool if fusion is not None else 1
         """Flush the pooled weight gradients after every this many backwards; None: at the end of the step."""
@@ -230,7 +233,7 @@ class _Run:
         s, mb, x = action.stage, action.microbatch, self.x
         data, received = self._forward_input(s, mb, incoming)
         owners: list[WeightUse] = []
-        split = self.training and (s, mb) in self.split and not x.stages[s].compiled
+        split = self.training and (s, mb) in self.split
         fused = self.training and x.fusion is not None and (s, mb) not in self.unfused
         store, anchor = self.store, None
         if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own
@@ -310,8 +313,7 @@ class _Run:
                 extra = self._arm(s, [])
                 if extra:
                     torch.autograd.backward(extra)
-        elif action.kind is Kind.B or not (wanted or per_owner) or self.x.stages[s].compiled:
-            # A compiled stage's backward is one graph: its I computes the weight gradients too (W has none left)
+        elif (s, mb) not in self.split or not (wanted or per_owner):
             input_grads = self._whole_backward(s, roots, root_grads, wanted, sync=sync)
         else:
             input_grads = self._input_backward(slot, roots, root_grads, wanted, per_owner)
