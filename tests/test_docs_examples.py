@@ -143,7 +143,7 @@ def outcomes(request: pytest.FixtureRequest) -> Iterator[dict[str, Future[str | 
     """The selected examples, started two at a time as soon as the first is asked for.
 
     Most of an example's time is one process importing torch, or ranks waiting on each other, so two at once
-    on 2 cores take about half the time of one after another.
+    take about half the time of one after another, even beside the suite's other worker.
     """
     selected = [
         item.callspec.params["example"]
