@@ -8,9 +8,9 @@ workers) is killed and the test fails; a hang never stalls the suite. Results
 come back as a dict from global rank to ``fn``'s return value; a failed rank
 raises :class:`stagewise.comm.LaunchError` here.
 
-Importing torch was most of a short test's time, so the session keeps one
-*zygote*: a process, started once, that imports torch, stagewise and the test
-helpers and then only forks. Each launch is a fresh fork of it (the runner, a
+Importing torch was most of a short test's time, so the session (each pytest
+worker's own) keeps one *zygote*: a process, started once, that imports torch,
+stagewise and the test helpers and then only forks. Each launch is a fresh fork of it (the runner, a
 session of its own, with this process's environment of the moment), and the
 ranks are forked from the runner (``start_method="fork"``) unless a test asks
 for another method. Every runner serves one job only and the zygote runs
