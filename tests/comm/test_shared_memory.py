@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from support.multiproc import run_ranks
 
-from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh
+from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh, shared_memory_files
 from stagewise.comm import shared_memory as shm_module
 from stagewise.comm.shared_memory import SharedMemoryWire, connect_shared_memory
 
@@ -261,11 +261,18 @@ def test_a_forked_child_that_exits_leaves_its_parents_segments_alone() -> None:
     assert run_ranks(child_exits, 2) == {0: True, 1: True}
 
 
-def killed_with_a_segment_left(report: str) -> None:
+def _wires_in(base: str) -> None:
+    """Keep this process's wire files in ``base``, not /dev/shm: there, the start of any other job on the machine
+    (a test in the suite's other worker) removes a killed process's files too, perhaps before the test looks."""
+    shared_memory_files.shared_base = lambda: Path(base)  # type: ignore[method-assign]
+
+
+def killed_with_a_segment_left(report: str, base: str) -> None:
     """Rank 0 sends a message rank 1 never receives; then both are killed, so no exit function of theirs runs."""
     # The first rank killed makes the launcher stop the other with SIGTERM, whose exit would run the exit functions
     # (removing the segment) if it came before that rank's own SIGKILL: blocked, it never comes first.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    _wires_in(base)
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30, dedicated=True)
     assert isinstance(transport.wire, SharedMemoryWire)
@@ -276,8 +283,9 @@ def killed_with_a_segment_left(report: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def a_later_start() -> bool:
+def a_later_start(base: str) -> bool:
     """A new job's transport: its wire's start removes what processes that are gone left."""
+    _wires_in(base)
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30, dedicated=True)
     used = isinstance(transport.wire, SharedMemoryWire)
@@ -286,11 +294,13 @@ def a_later_start() -> bool:
 
 
 def test_what_a_killed_process_left_in_shared_memory_goes_at_the_next_start(tmp_path: Path) -> None:
-    report = tmp_path / "folder.txt"
+    report, base = tmp_path / "folder.txt", tmp_path / "shm"
+    base.mkdir()
     with pytest.raises(LaunchError):
-        run_ranks(killed_with_a_segment_left, 2, str(report), timeout=60)
+        run_ranks(killed_with_a_segment_left, 2, str(report), str(base), timeout=60)
     folder = Path(report.read_text())
+    assert folder.parent == base
     left = sorted(folder.parent.glob(f"{folder.name}*"))
     assert left, "SIGKILL runs no exit function: the unreceived segment is still there"
-    assert run_ranks(a_later_start, 2) == {0: True, 1: True}
+    assert run_ranks(a_later_start, 2, str(base)) == {0: True, 1: True}
     assert [path.name for path in left if path.exists()] == []
