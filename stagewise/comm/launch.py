@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import multiprocessing
 import os
 import signal
@@ -27,8 +28,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from typing_extensions import Unpack
 
+from stagewise.comm import rendezvous
 from stagewise.comm.launch_failures import LaunchError, failures_of, report
 from stagewise.comm.layout import Layout
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -84,7 +88,10 @@ class LaunchOptions(TypedDict, total=False):
     nnodes: int
     """Nodes in the job (default 1); every node launches with the same value."""
     rdzv_endpoint: str
-    """``HOST:PORT`` of the c10d rendezvous; default 127.0.0.1 on a free port (one node only)."""
+    """``HOST:PORT`` of the rendezvous. One node: a loopback address (default 127.0.0.1 on a port the launcher
+    binds itself; see :mod:`stagewise.comm.rendezvous`). Several nodes: the c10d rendezvous store, which every
+    node must reach, so the network between the nodes must be trusted (anyone who reaches the store can take
+    part in the job)."""
     is_host: bool
     """True on the node that hosts the rendezvous store when several nodes share an endpoint."""
     run_id: str
@@ -131,11 +138,12 @@ def launch(fn: Callable[..., T], nprocs: int, *args: Any, **options: Unpack[Laun
 
     The processes are started and watched by torchrun's elastic agent, which
     sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT (read by
-    :func:`stagewise.comm.init_mesh`) and rendezvouses over c10d. By default
-    the rendezvous listens on 127.0.0.1 on a free port; for several nodes,
-    give every node the same ``rdzv_endpoint`` and ``nnodes``, and
-    ``is_host=True`` on the node that should host the rendezvous store (see
-    :class:`LaunchOptions`). ``fn`` must be importable by the spawned
+    :func:`stagewise.comm.init_mesh`). On one node the rendezvous is a store
+    of this process's own on a socket it binds to 127.0.0.1, so nothing
+    listens beyond loopback (:mod:`stagewise.comm.rendezvous`); for several
+    nodes, give every node the same ``rdzv_endpoint`` and ``nnodes``, and
+    ``is_host=True`` on the node that should host torch's c10d rendezvous
+    store (see :class:`LaunchOptions`), on a trusted network. ``fn`` must be importable by the spawned
     processes (defined at the top level of a module).
 
     When a rank fails, the agent stops the others and this raises
@@ -358,9 +366,20 @@ def _run(
             f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
             "(the host of the node with is_host=True)"
         )
-    endpoint = options.get("rdzv_endpoint") or f"{LOOPBACK}:{free_port()}"
+    endpoint = options.get("rdzv_endpoint") or f"{LOOPBACK}:0"
     host = endpoint.rsplit(":", 1)[0]
     rdzv_configs: dict[str, Any] = {} if is_host is None else {"is_host": is_host}
+    if nnodes == 1:
+        rendezvous.register()
+        backend = rendezvous.BACKEND
+    else:
+        backend = "c10d"
+        log.warning(
+            "rendezvous of %d nodes over c10d at %s: every node, and anyone else who reaches that port, can join; "
+            "run it on a trusted network, with a run id of its own per job",
+            nnodes,
+            endpoint,
+        )
     children = _children(options)
     if options.get("pin_cores") and isinstance(entrypoint, _Returning):
         entrypoint.cores = cpu_shares(nprocs)
@@ -375,7 +394,7 @@ def _run(
             nproc_per_node=nprocs,
             run_id=options.get("run_id")
             or (_endpoint_run_id(endpoint) if nnodes > 1 else f"stagewise-{uuid.uuid4().hex[:12]}"),
-            rdzv_backend="c10d",
+            rdzv_backend=backend,
             rdzv_endpoint=endpoint,
             rdzv_configs=rdzv_configs,
             max_restarts=max_restarts,
