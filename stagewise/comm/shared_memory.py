@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise.comm import shared_memory_files as files
+from stagewise.comm.errors import CommTimeoutError
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
 from stagewise.comm.waits import Work
 from stagewise.comm.wire import Op
@@ -30,6 +31,14 @@ _MESSAGE, _FREED = 1, 2
 _ATOMIC = 4096 // _RECORD.size * _RECORD.size  # a pipe write of at most PIPE_BUF bytes is never split
 _SMALLEST = 4096  # segment sizes are powers of two from here
 _BROADCAST = -1  # the tag of broadcasts: the transport's messages use tags from 0
+_TRIES = 8
+"""Fresh names a new segment tries: one taken is improbable (62 random bits), eight in a row something to stop at."""
+
+
+def _segment_number() -> int:
+    """A new segment's number, which its file's name and its messages' records carry: random, so that no one can
+    plant a file at the name a segment will take (sequential names in /dev/shm could be guessed)."""
+    return secrets.randbits(62)
 
 
 class WireWork:
@@ -69,6 +78,10 @@ class SharedMemoryWire:
     about the most it ever had in flight to each peer. Their files are named
     after their process, which removes them at exit; what a killed process
     left, the next wire's start removes (:mod:`~stagewise.comm.shared_memory_files`).
+    Each segment's name ends in a random number, made with ``O_EXCL`` and
+    mode 0600: a file planted in ``/dev/shm`` cannot take its place. A write
+    to a peer's full pipe waits up to ``timeout`` seconds, then raises
+    :class:`~stagewise.comm.errors.CommTimeoutError`.
     """
 
     matches_tags = True
@@ -76,8 +89,12 @@ class SharedMemoryWire:
     exclusive = True
     """The pipes and segments are this wire's alone."""
 
-    def __init__(self, rank: int, peers: Sequence[int], folders: dict[int, Path]) -> None:
+    def __init__(
+        self, rank: int, peers: Sequence[int], folders: dict[int, Path], *, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         self.rank = rank
+        self.timeout = timeout
+        """Seconds a write waits for room in a peer's pipe (the transport's timeout)."""
         self.folder = folders[rank]
         self.peers = list(peers)
         self._folders = folders
@@ -86,7 +103,9 @@ class SharedMemoryWire:
         self._peer_of: dict[int, int] = {}
         self._selector = selectors.DefaultSelector()
         self._gone: set[int] = set()
-        self._next_segment = 0
+        self._owed: dict[int, bytes] = {}
+        """Records of freed segments a write that timed out left unwritten, by peer: sent first with the next."""
+        self._made = 0
         self._segments: dict[int, torch.Tensor] = {}
         """This rank's segments, by number."""
         self._idle: dict[tuple[int, int], list[int]] = {}
@@ -105,7 +124,7 @@ class SharedMemoryWire:
     @property
     def segments(self) -> int:
         """How many segments this rank has made for its sends (each is reused once its message was received)."""
-        return self._next_segment
+        return self._made
 
     def forget_in_child(self) -> None:
         """In a process forked from this rank (a data loader's worker): close the inherited pipes, so that this
@@ -159,7 +178,12 @@ class SharedMemoryWire:
         segment[: data.numel()].copy_(data)
         work = WireWork(self, peer)
         self._sending[(peer, number)] = (segment.numel(), work)
-        self._write(peer, _RECORD.pack(_MESSAGE, number, tag, data.numel()))
+        try:
+            self._write(peer, _RECORD.pack(_MESSAGE, number, tag, data.numel()))
+        except BaseException:  # not announced: the segment is free again
+            del self._sending[(peer, number)]
+            self._idle.setdefault((peer, segment.numel()), []).append(number)
+            raise
         return work
 
     def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> WireWork:
@@ -187,9 +211,7 @@ class SharedMemoryWire:
         idle = self._idle.get((peer, size))
         if idle:
             return idle.pop()
-        number, self._next_segment = self._next_segment, self._next_segment + 1
-        path = files.segment_path(self.folder, number)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        number, path, fd = self._create()
         try:
             # Reserve the memory now: a sparse file on a full tmpfs would fail later, on a page, with SIGBUS.
             if hasattr(os, "posix_fallocate"):
@@ -207,8 +229,27 @@ class SharedMemoryWire:
         finally:
             os.close(fd)
         self._segments[number] = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+        self._made += 1
         files.made(path)
         return number
+
+    def _create(self) -> tuple[int, Path, int]:
+        """A new segment's number, path and open descriptor: a file of this rank alone (``O_EXCL``, mode 0600) at
+        a random name; a name taken (planted there, or drawn before) is drawn afresh, up to :data:`_TRIES` times."""
+        for _ in range(_TRIES):
+            number = _segment_number()
+            path = files.segment_path(self.folder, number)
+            if number in self._segments:
+                continue
+            try:
+                return number, path, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                log.warning("rank %d: %s exists, made by someone else; trying another name", self.rank, path)
+        raise RuntimeError(
+            f"rank {self.rank} cannot create a shared-memory segment: {_TRIES} random names in a row were taken, "
+            f"the last {path}; find what creates files in {self.folder.parent}, or send through gloo: set "
+            "STAGEWISE_SHARED_MEMORY=0 (Transport: shared_memory=False)"
+        )
 
     # Progress.
 
@@ -220,7 +261,9 @@ class SharedMemoryWire:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            for key, _ in self._selector.select(remaining):
+            if self._owed:
+                self._pay()
+            for key, _ in self._selector.select(min(remaining, 0.01) if self._owed else remaining):
                 self._drain(int(key.fd))
         return True
 
@@ -282,25 +325,64 @@ class SharedMemoryWire:
         target.copy_(source)
 
     def _write(self, peer: int, records: bytes, *, notice: bool = False) -> None:
-        """Write ``records`` to ``peer``'s pipe, handling incoming records while it is full. A ``notice`` (freed
-        segments) to a peer that has gone is dropped: it has nothing left to reuse."""
+        """Write ``records`` to ``peer``'s pipe, handling incoming records while it is full, for up to the timeout;
+        then :class:`CommTimeoutError`. A ``notice`` (freed segments) to a peer that has gone is dropped: it has
+        nothing left to reuse; one not written in time is owed, and goes first with the next write to the peer."""
         if notice and peer in self._gone:
             return
         fd = self._out[peer]
-        view = memoryview(records)
-        while view:
+        view = memoryview(self._owed.pop(peer, b"") + records)
+        deadline = time.monotonic() + self.timeout
+        try:
+            while view:
+                try:
+                    view = view[os.write(fd, view[:_ATOMIC]) :]
+                except BlockingIOError:  # the peer has not read for a while: serve our side meanwhile
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._full(peer) from None
+                    for key, _ in self._selector.select(min(remaining, 0.001)):
+                        self._drain(int(key.fd))
+        except BrokenPipeError as err:
+            self._gone.add(peer)
+            self._owed.pop(peer, None)
+            if notice:
+                return
+            raise RuntimeError(_gone(peer)) from err
+        except BaseException:
+            # Each write of at most PIPE_BUF bytes is all or nothing, so what is left is whole records: the notices
+            # are owed; a message's record (the last, unwritten) is the caller's to take back.
+            left = bytes(view) if notice else bytes(view[: len(view) - len(records)])
+            if left:
+                self._owed[peer] = left + self._owed.get(peer, b"")
+            raise
+
+    def _pay(self) -> None:
+        """Write the owed notices that the peers' pipes have room for now, without waiting."""
+        for peer, owed in list(self._owed.items()):
+            view = memoryview(owed)
             try:
-                written = os.write(fd, view[:_ATOMIC])
-            except BlockingIOError:  # the peer has not read for a while: serve our side meanwhile
-                for key, _ in self._selector.select(0.001):
-                    self._drain(int(key.fd))
-                continue
-            except BrokenPipeError as err:
+                while view:
+                    view = view[os.write(self._out[peer], view[:_ATOMIC]) :]
+            except BlockingIOError:
+                pass
+            except BrokenPipeError:
                 self._gone.add(peer)
-                if notice:
-                    return
-                raise RuntimeError(_gone(peer)) from err
-            view = view[written:]
+                view = view[len(view) :]
+            if view:
+                self._owed[peer] = bytes(view)
+            else:
+                del self._owed[peer]
+
+    def _full(self, peer: int) -> CommTimeoutError:
+        what = f"room in rank {peer}'s shared-memory pipe"
+        return CommTimeoutError(
+            f"rank {self.rank} timed out after {self.timeout:g} s waiting for {what} (full: rank {peer} read "
+            "nothing meanwhile); the peer may have hung or been stopped",
+            rank=self.rank,
+            peer=peer,
+            what=what,
+        )
 
     def close(self) -> None:
         """Close the pipes and drop the segments, removing those no peer received. Closing again does nothing."""
@@ -315,6 +397,7 @@ class SharedMemoryWire:
             files.unmade(files.segment_path(self.folder, number))
         self._segments.clear()
         self._mapped.clear()
+        self._owed.clear()
         shutil.rmtree(self.folder, ignore_errors=True)  # left by a connect that failed
 
 
@@ -332,12 +415,14 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype is not torch.uint8 else flat
 
 
-def connect_shared_memory(group: dist.ProcessGroup, rank: int) -> SharedMemoryWire | None:
+def connect_shared_memory(group: dist.ProcessGroup, rank: int, timeout: float | None = None) -> SharedMemoryWire | None:
     """A wire between the ranks of ``group`` (collective), or None where some pair of them shares no memory.
 
     Each rank makes a folder with a random token in it; the wire is made
     only if every rank can read every other's token, so ranks on other
     hosts, or in containers that do not share ``/dev/shm``, keep gloo.
+    ``timeout`` bounds a write to a full pipe, in seconds: by default the
+    group's (a transport's group has the transport's timeout).
     """
     if not hasattr(os, "mkfifo"):
         return None
@@ -354,13 +439,22 @@ def connect_shared_memory(group: dist.ProcessGroup, rank: int) -> SharedMemoryWi
         shutil.rmtree(folder, ignore_errors=True)
         log.info("rank %d: not every rank of the transport shares memory with the others; using gloo", rank)
         return None
-    wire = SharedMemoryWire(rank, [r for r in folders if r != rank], folders)
+    seconds = _timeout_of(group) if timeout is None else timeout
+    wire = SharedMemoryWire(rank, [r for r in folders if r != rank], folders, timeout=seconds)
     try:
         wire.connect(lambda: dist.barrier(group=group))
     except BaseException:
         wire.close()
         raise
     return wire
+
+
+def _timeout_of(group: dist.ProcessGroup) -> float:
+    """``group``'s timeout in seconds, or the default where this torch does not tell it."""
+    try:
+        return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return DEFAULT_TIMEOUT
 
 
 def _reads(path: Path, token: str) -> bool:

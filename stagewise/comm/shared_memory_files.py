@@ -81,22 +81,36 @@ def _alive(namespace: int, pid: int, start: int) -> bool:
 
 def remove_orphans(base: Path) -> list[str]:
     """Remove the wires' folders and segments in ``base`` whose owning process is gone (killed, say, before it
-    could remove them); the names removed."""
+    could remove them); the names removed. An entry that cannot be removed (another user's, say) is logged and
+    skipped: the scan goes on with the next."""
     removed = []
-    with contextlib.suppress(OSError), os.scandir(base) as entries:
-        for entry in entries:
-            found = _NAME.fullmatch(entry.name)
-            if found is None or _alive(int(found["ns"]), int(found["pid"]), int(found["start"])):
-                continue
-            with contextlib.suppress(FileNotFoundError):  # another rank's start may remove it first
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
-                removed.append(entry.name)
+    try:
+        with os.scandir(base) as entries:
+            for entry in entries:
+                try:
+                    if _remove_orphan(entry):
+                        removed.append(entry.name)
+                except FileNotFoundError:  # another rank's start may remove it first
+                    continue
+                except OSError as err:
+                    log.warning("cannot remove %s, left by a process that is gone; skipping it (%s)", entry.path, err)
+    except OSError as err:
+        log.warning("cannot scan %s for shared-memory files of processes that are gone (%s)", base, err)
     if removed:
         log.info("removed %d shared-memory file(s) of processes that are gone from %s", len(removed), base)
     return removed
+
+
+def _remove_orphan(entry: os.DirEntry[str]) -> bool:
+    """Remove ``entry`` if it is a wire's folder or segment whose owner is gone; whether it was."""
+    found = _NAME.fullmatch(entry.name)
+    if found is None or _alive(int(found["ns"]), int(found["pid"]), int(found["start"])):
+        return False
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path)
+    else:
+        os.unlink(entry.path)
+    return True
 
 
 def shared_base() -> Path:
@@ -115,7 +129,8 @@ def new_folder() -> Path:
 
 
 def segment_path(folder: Path, number: int) -> Path:
-    """Where the rank of ``folder`` keeps its segment ``number``: beside the folder, which goes after connecting."""
+    """Where the rank of ``folder`` keeps its segment ``number`` (random: see ``SharedMemoryWire``): beside the
+    folder, which goes after connecting."""
     return folder.parent / f"{folder.name}-segment-{number}"
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
+import logging
 import os
+import secrets
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -304,3 +308,116 @@ def test_what_a_killed_process_left_in_shared_memory_goes_at_the_next_start(tmp_
     assert left, "SIGKILL runs no exit function: the unreceived segment is still there"
     assert run_ranks(a_later_start, 2, str(base)) == {0: True, 1: True}
     assert [path.name for path in left if path.exists()] == []
+
+
+# A hostile or messy /dev/shm: wires of this one process (ranks 0 and 1, connected by two threads), files in tmp_path.
+
+
+def _pair(base: Path) -> tuple[SharedMemoryWire, SharedMemoryWire]:
+    folders = {rank: base / f"rank-{rank}" for rank in (0, 1)}
+    for folder in folders.values():
+        folder.mkdir(mode=0o700)
+    wires = [SharedMemoryWire(rank, [1 - rank], folders) for rank in (0, 1)]
+    barrier = threading.Barrier(2, timeout=10)
+    threads = [threading.Thread(target=wire.connect, args=(barrier.wait,)) for wire in wires]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    return wires[0], wires[1]
+
+
+def _echo(sender: SharedMemoryWire, receiver: SharedMemoryWire, x: torch.Tensor) -> torch.Tensor:
+    sent = sender.isend(x, 1, 0)
+    buffer = torch.empty_like(x)
+    assert receiver.irecv(buffer, 0, 0).wait(5)
+    assert sent.wait(5)
+    return buffer
+
+
+def test_a_file_planted_at_the_next_segments_name_does_not_stop_the_wire(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    sender, receiver = _pair(tmp_path)
+    planted = shared_memory_files.segment_path(sender.folder, 0)  # the first name of sequential numbers
+    planted.write_text("someone else's")
+    draws = iter([0])  # random numbers: the first drawn is the planted one
+    monkeypatch.setattr(shm_module, "_segment_number", lambda: next(draws, secrets.randbits(62)), raising=False)
+    x = torch.arange(10.0)
+    with caplog.at_level(logging.WARNING, logger=shm_module.__name__):
+        assert torch.equal(_echo(sender, receiver, x), x)
+    assert f"{planted} exists, made by someone else; trying another name" in caplog.text
+    assert planted.read_text() == "someone else's"
+    assert sender.segments == 1
+    sender.close()
+    receiver.close()
+
+
+def test_a_segment_name_taken_every_time_is_a_one_line_error_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sender, receiver = _pair(tmp_path)
+    planted = shared_memory_files.segment_path(sender.folder, 0)
+    planted.write_text("someone else's")
+    monkeypatch.setattr(shm_module, "_segment_number", lambda: 0, raising=False)
+    with pytest.raises(RuntimeError) as info:
+        sender.isend(torch.zeros(4), 1, 0)
+    message = str(info.value)
+    assert message.startswith("rank 0 cannot create a shared-memory segment: 8 random names in a row were taken, ")
+    assert f"the last {planted}; " in message and "\n" not in message
+    sender.close()
+    receiver.close()
+
+
+def test_an_entry_the_orphan_scan_cannot_remove_is_skipped_and_the_scan_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    namespace, pid, start = shared_memory_files._me()
+    dead = f"stagewise-{namespace}-{pid}-{start + 1}"  # this pid, another start: a process that is gone
+    names = [f"{dead}-abc{i}-segment-{i}" for i in range(3)] + [f"{dead}-folder"]
+    for name in names[:3]:
+        (tmp_path / name).write_bytes(b"left")
+    (tmp_path / names[3]).mkdir()
+    (tmp_path / names[3] / "token").write_text("left")
+    unlink, refused = os.unlink, []
+
+    def unlink_refusing_one(path: str, *args: object, **kwargs: object) -> None:
+        if not refused:  # the first entry the scan removes (whichever scandir yields first)
+            refused.append(path)
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", unlink_refusing_one)
+    with caplog.at_level(logging.WARNING, logger=shared_memory_files.__name__):
+        removed = shared_memory_files.remove_orphans(tmp_path)
+    monkeypatch.undo()
+    left = [name for name in names if (tmp_path / name).exists()]
+    assert len(left) == 1 and len(removed) == 3 and sorted([*removed, *left]) == sorted(names), (left, removed)
+    assert f"cannot remove {tmp_path / left[0]}, left by a process that is gone; skipping it" in caplog.text
+
+
+@pytest.mark.timeout(15)
+def test_a_send_to_a_peer_whose_pipe_stays_full_times_out_and_the_wire_goes_on(tmp_path: Path) -> None:
+    sender, receiver = _pair(tmp_path)
+    sender.timeout = 0.5
+    fd = sender._out[1]
+    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: a page of records
+    records = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // 32
+    for i in range(records):  # the receiver reads none of them
+        sender.isend(torch.full((1,), float(i)), 1, 0)
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError) as info:
+        sender.isend(torch.full((1,), float(records)), 1, 0)
+    assert 0.5 <= time.monotonic() - start < 3.0
+    assert str(info.value).startswith(
+        "rank 0 timed out after 0.5 s waiting for room in rank 1's shared-memory pipe (full: rank 1 read nothing"
+    ), info.value
+    assert (info.value.rank, info.value.peer) == (0, 1)
+    # The message that timed out was never announced: once the peer reads, the wire goes on in order.
+    buffers = [torch.empty(1) for _ in range(records + 1)]
+    works = [receiver.irecv(buffer, 0, 0) for buffer in buffers[:records]]
+    assert all(work.wait(5) for work in works)
+    assert torch.equal(_echo(sender, receiver, torch.full((1,), -1.0)), torch.full((1,), -1.0))
+    assert [float(b) for b in buffers[:records]] == [float(i) for i in range(records)]
+    sender.close()
+    receiver.close()
