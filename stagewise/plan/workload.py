@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from stagewise.comm import Payload, as_tensors, launch
+from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.models import GPT, gpt_parallel, preset
 from stagewise.partition import LayerCost, LiveBytes, SharedParameter, layers_of, profile, shared_parameters
 from stagewise.pipeline import LossFn
@@ -241,10 +242,21 @@ def preset_model(name: str, micro_batch: int, seq_len: int | None) -> Built:
     return config.build(device="meta"), sample, (cast(LossFn, config.loss), config.target(micro_batch, seq_len))
 
 
+PASSES_ALLOWED = 8
+"""Rank 0 profiles each layer 2 + 5 times (:func:`~stagewise.partition.profile`'s warm-up and repeats) and times
+the optimizer and the loss: a rank waiting for it allows it this many of its own profiling passes (one run of each
+layer), beyond the timeout."""
+
+
 def _profile_rank(
-    build: Callable[..., Built], args: tuple[Any, ...], options: Any, flag: str | None = None
+    build: Callable[..., Built],
+    args: tuple[Any, ...],
+    options: Any,
+    flag: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Workload | None:
-    """Rank 0 profiles; the other ranks run the same layers meanwhile, to load the machine as training does."""
+    """Rank 0 profiles; the other ranks run the same layers meanwhile, to load the machine as training does, until
+    rank 0 makes the file ``flag``: for ``timeout`` seconds, and :data:`PASSES_ALLOWED` passes of their own more."""
     model, sample, loss = build(*args)
     rank = int(os.environ.get("RANK", "0"))
     if flag is None or rank == 0:
@@ -253,9 +265,21 @@ def _profile_rank(
         finally:
             if flag is not None:
                 Path(flag).touch()
+    seconds = checked_timeout(timeout)
     torch.set_num_threads(1)
+    began = time.monotonic()
+    longest = 0.0
     while not Path(flag).exists():
+        waited = time.monotonic() - began
+        if waited > seconds + PASSES_ALLOWED * longest:
+            raise TimeoutError(
+                f"rank {rank} waited {waited:.3g} s for rank 0 to finish profiling and make {flag}, longer than the "
+                f"timeout of {seconds:g} s plus {PASSES_ALLOWED} of this rank's profiling passes ({longest:.3g} s "
+                "each); rank 0 is stuck or gone"
+            )
+        start = time.monotonic()
         profile(model, sample, time=True, device=options["measure_on"], warmup=0, repeats=1)
+        longest = max(longest, time.monotonic() - start)
     return None
 
 

@@ -22,7 +22,7 @@ from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.planner import SEARCHED
 from stagewise.plan.synthesised import synthesised
-from stagewise.plan.workload import Workload, measure_optimizer, workload
+from stagewise.plan.workload import PASSES_ALLOWED, Workload, _profile_rank, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
 from stagewise.run.loop import schedule_of
 from stagewise.schedule import BUILDERS, Schedule, ScheduleName, peak_in_flight, validate
@@ -462,3 +462,30 @@ def test_the_plan_of_a_sharded_layout_reaches_train(tmp_path: Path, capsys: pyte
     assert (config.stages, config.dp, config.fsdp, config.tp) == (chosen["stages"], chosen["dp"], 2, 2)
     assert main(["plan", "--model", "gpt-tiny", "--gpus", "4", "--tp", "3"]) == 2
     assert "tp=3 does not divide" in capsys.readouterr().err
+
+
+def tiny_built() -> tuple[nn.Module, torch.Tensor, None]:
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh()), torch.randn(2, 8), None
+
+
+def test_a_rank_waiting_for_the_profile_gives_up_after_its_timeout_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other ranks of `plan --profile --profile-ranks N` waited for rank 0's flag file without a bound.
+    monkeypatch.setenv("RANK", "1")
+    flag = tmp_path / "done"
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(TimeoutError) as info:
+            _profile_rank(tiny_built, (), {"measure_on": "cpu"}, str(flag), timeout=0.2)
+        assert re.fullmatch(
+            rf"rank 1 waited \S+ s for rank 0 to finish profiling and make {re.escape(str(flag))}, longer than the timeout of 0\.2 s "
+            rf"plus {PASSES_ALLOWED} of this rank's profiling passes \(\S+ s each\); rank 0 is stuck or gone",
+            str(info.value),
+        ), str(info.value)
+        flag.touch()
+        assert _profile_rank(tiny_built, (), {"measure_on": "cpu"}, str(flag), timeout=0.2) is None
+        with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds, got 0"):
+            _profile_rank(tiny_built, (), {"measure_on": "cpu"}, str(flag), timeout=0)
+    finally:
+        torch.set_num_threads(threads)
