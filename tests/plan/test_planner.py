@@ -479,8 +479,9 @@ def test_a_rank_waiting_for_the_profile_gives_up_after_its_timeout_naming_the_fi
         with pytest.raises(TimeoutError) as info:
             _profile_rank(tiny_built, (), {"measure_on": "cpu"}, str(flag), timeout=0.2)
         assert re.fullmatch(
-            rf"rank 1 waited \S+ s for rank 0 to finish profiling and make {re.escape(str(flag))}, longer than the timeout of 0\.2 s "
-            rf"plus {PASSES_ALLOWED} of this rank's profiling passes \(\S+ s each\); rank 0 is stuck or gone",
+            rf"rank 1 waited \S+ s for rank 0 to finish profiling and make {re.escape(str(flag))}, longer than the "
+            rf"timeout of 0\.2 s plus {PASSES_ALLOWED} of this rank's profiling passes \(\S+ s each\); rank 0 is "
+            "stuck or gone",
             str(info.value),
         ), str(info.value)
         flag.touch()
