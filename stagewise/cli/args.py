@@ -43,6 +43,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """A seed every rank can use (:data:`stagewise.run.config.SEEDS`), refused here with the range."""
+    from stagewise.run.config import check_seed
+
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from err
+    try:
+        return check_seed(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix("seed ")) from err
+
+
 def model_name(text: str) -> str:
     """A model a run can train (see :func:`stagewise.run.user_model.model_of`), refused here with the choices."""
     from stagewise.run.user_model import model_of

@@ -20,7 +20,7 @@ from stagewise.cli.run_report import report
 from stagewise.comm import LaunchError, Layout, launch
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.pipeline import Pipeline
-from stagewise.plan import load_plan
+from stagewise.plan.plan_file import read_plan
 from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
 from stagewise.run.resume import check_resume, fresh_run_refused
 from stagewise.run.runs import LATEST, ROOT, latest_run, new_run
@@ -97,7 +97,7 @@ def add(commands: Any) -> None:
         "--no-weight-grad-fusion", dest="weight_gradient_fusion", action="store_false",
         help="leave weight-gradient accumulation to autograd (default: large linear weights accumulate in backward)",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the data order")
+    p.add_argument("--seed", type=args.seed, default=d.seed, help="seed of the weights and the data order")
     p.add_argument("--data", default=d.data, help="text file or folder (GPT; default: the Python stdlib source)")
     p.add_argument(
         "--data-limit", type=args.size, default=None, metavar="SIZE",
@@ -148,8 +148,8 @@ def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig
             f"--checkpoint-every {ns.checkpoint_every} saves checkpoints, but --no-checkpoints writes none; "
             "leave one of them out"
         )
-    if ns.plan is not None:
-        values.update(_planned(load_plan(ns.plan.read_text()), values))
+    if ns.plan is not None:  # checked field by field; a MODULE:FACTORY only as the command line's --model
+        values.update(_planned(read_plan(ns.plan, model=values.get("model")), values))
     model = values.get("model", TrainConfig.model)
     text = (("--seq-len", ns.seq_len), ("--data", ns.data), ("--data-limit", ns.data_limit))
     given = [flag for flag, value in text if value is not None]
@@ -165,11 +165,12 @@ def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig
 
 
 def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The settings a plan makes; a flag given with another value than the plan's is refused."""
+    """The settings a plan makes (``chosen``, checked field by field by :func:`~stagewise.plan.plan_file.load_plan`);
+    a flag given with another value than the plan's is refused."""
     planned = {key: chosen[key] for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches")}
     planned["fsdp"], planned["tp"] = chosen.get("fsdp", 1), chosen.get("tp", 1)  # plans from before they were searched
     planned["batch_size"] = chosen["batch_size"]
-    planned["activation_checkpointing"] = bool(chosen.get("activation_checkpointing", False))
+    planned["activation_checkpointing"] = chosen.get("activation_checkpointing", False)  # a JSON boolean
     planned["partition"] = tuple(chosen["partition"])
     if chosen.get("schedule_text"):  # a schedule synthesised for the planned stages (plan --synthesise)
         planned["schedule_text"] = chosen["schedule_text"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from typing import Any
 
+from stagewise.plan import plan_file
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import cached_schedule, evaluate
 from stagewise.plan.option import Option, Plan
@@ -133,17 +133,8 @@ def plan(workload: Workload, cluster: Cluster, *, options: Sequence[Option] | No
     return Plan(tuple(feasible), rejected, smallest)
 
 
-def load_plan(text: str) -> dict[str, Any]:
-    """A plan written by :meth:`Plan.to_json`, checked for the fields ``train --plan`` needs."""
-    data = json.loads(text)
-    if isinstance(data, dict) and "bounds" in data and "stages" not in data:
-        raise ValueError(
-            f"this is a partition (stagewise partition --json: the stage bounds {data['bounds']} alone), not a plan, "
-            "which also holds the model, the layout and the batch; write one with `stagewise plan --json PLAN`, "
-            "or pass the bounds to train as TrainConfig(partition=...)"
-        )
-    need = ("model", "stages", "dp", "virtual", "schedule", "microbatches", "batch_size", "partition")
-    missing = [k for k in need if k not in data]
-    if missing:
-        raise ValueError(f"the plan lacks {missing}; write it with `stagewise plan --json`")
-    return dict(data)
+def load_plan(text: str, *, model: str | None = None) -> dict[str, Any]:
+    """A plan written by :meth:`Plan.to_json`, each field checked for its type and range and returned as written;
+    ``model``, the command line's, may be a ``MODULE:FACTORY`` that the plan names too
+    (:func:`stagewise.plan.plan_file.load_plan`, whose schema is :data:`~stagewise.plan.plan_file.FIELDS`)."""
+    return plan_file.load_plan(text, model=model)

@@ -9,11 +9,31 @@ from typing import Literal
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
 from stagewise.models import GPTConfig
 from stagewise.pipeline import NonFinite, WeightGradientFusion
+from stagewise.pipeline.materialise import layer_seed
 from stagewise.run.user_model import UserModel, model_of
 from stagewise.schedule import ScheduleName
 
 Optimizer = Literal["adamw", "sgd"]
 """The optimizers ``train`` offers."""
+
+TORCH_SEEDS = range(-(2**63), 2**64)
+"""The seeds ``torch.manual_seed`` takes (tried: -2**63 - 1 and 2**64 overflow; a negative seed counts from
+2**64)."""
+_STRIDE = layer_seed(1, 0) - layer_seed(0, 0)
+SEEDS = range(-(-TORCH_SEEDS.start // _STRIDE), TORCH_SEEDS.stop // _STRIDE)
+"""The seeds a run takes: those whose every layer's seed (``seed x stride + layer``, see
+:func:`~stagewise.pipeline.materialise.layer_seed`) torch takes too, on every rank, for layers fewer than the
+stride (a million)."""
+
+
+def check_seed(seed: object, what: str = "seed") -> int:
+    """``seed`` if it is a whole number in :data:`SEEDS`; else a one-line ValueError naming ``what``."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in SEEDS:
+        raise ValueError(
+            f"{what} must be a whole number from {SEEDS.start} to {SEEDS.stop - 1}, got {seed!r}: each layer is "
+            f"seeded with seed x {_STRIDE} + its index, which torch.manual_seed takes from -2**63 to 2**64 - 1"
+        )
+    return seed
 
 
 @dataclass(frozen=True)
@@ -127,6 +147,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        check_seed(self.seed)
         if self.data_limit is not None and (isinstance(self.data_limit, bool) or not self.data_limit >= 1):
             raise ValueError(f"data_limit must be a number of bytes >= 1 (or None: all), got {self.data_limit!r}")
         for name in ("warmup", "eval_every", "checkpoint_every"):

@@ -340,3 +340,81 @@ def test_help_shows_the_defaults_and_no_markup(capsys: pytest.CaptureFixture[str
     text = " ".join(capsys.readouterr().out.split())
     assert "optimizer steps (the schedule's length) (default: 400)" in text
     assert "warm-up steps (default: 10)" in text
+
+
+PLAN = {
+    "model": "gpt-tiny", "stages": 2, "dp": 1, "fsdp": 1, "tp": 1, "virtual": 1, "schedule": "1f1b",
+    "microbatches": 4, "batch_size": 8, "seq_len": 32, "activation_checkpointing": False, "optimizer": "adamw",
+    "partition": [0, 3, 7],
+}  # fmt: skip
+"""A plan as `stagewise plan --json` writes it, for two stages of gpt-tiny."""
+
+
+@pytest.mark.parametrize(
+    ("changed", "message"),
+    [
+        ({"optimizer": "lion"}, 'the plan\'s "optimizer" is "lion", not one of "adamw", "sgd", or null; write one of'),
+        ({"activation_checkpointing": "no"}, 'the plan\'s "activation_checkpointing" is "no", not true or false'),
+        ({"partition": [0, 2.5, 7]}, 'the plan\'s "partition" is [0, 2.5, 7], not a list of whole numbers'),
+        ({"schedule_text": 5}, 'the plan\'s "schedule_text" is 5, not a schedule\'s text'),
+        ({"schedule_text": "rank 0: 3000000000F0"}, 'the plan\'s "schedule_text" is "rank 0: 3000000000F0", outside '
+         "the plan's layout at line 1: 3000000000F0 runs stage 3000000000"),
+        ({"model": "os:getcwd"}, 'the plan\'s "model" is "os:getcwd", code (MODULE:FACTORY), which a plan file may '
+         "not name: it would be imported and run in every process; give --model os:getcwd on the command line"),
+    ],
+    ids=lambda case: next(iter(case)) if isinstance(case, dict) else None,
+)  # fmt: skip
+def test_train_refuses_a_plan_with_a_bad_field_in_one_line_before_any_process_starts(
+    changed: dict[str, object],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each trained something else (AdamW, checkpointing on, partition (0, 2, 7)), failed on every rank, or
+    # imported and ran the file's code in the launcher and on every rank.
+    def preflight(config: TrainConfig) -> None:
+        raise AssertionError(f"the plan reached preflight: {config}")  # which would read a schedule of 3e9 stages
+
+    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
+    monkeypatch.setattr(cli_train, "preflight", preflight)
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps({**PLAN, **changed}))
+    assert main(["train", "--plan", str(bad), "--no-checkpoints", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"stagewise train: error: {message}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_a_plan_naming_a_factory_trains_it_when_the_command_line_names_it_too(tmp_path: Path) -> None:
+    planned = tmp_path / "plan.json"
+    planned.write_text(json.dumps({**PLAN, "model": "mypackage.models:make"}))
+    config = config_of(parser().parse_args(["train", "--plan", str(planned), "--model", "mypackage.models:make"]))
+    assert (config.model, config.stages, config.partition) == ("mypackage.models:make", 2, (0, 3, 7))
+    with pytest.raises(ValueError, match=r'"model" is "mypackage\.models:make", code'):
+        config_of(parser().parse_args(["train", "--plan", str(planned), "--model", "gpt-tiny"]))
+    planned.write_text(json.dumps(PLAN))
+    assert config_of(parser().parse_args(["train", "--plan", str(planned)])).optimizer == "adamw"
+
+
+def test_a_seed_torch_cannot_take_on_every_rank_is_refused(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
+    # torch.manual_seed takes -2**63 .. 2**64 - 1, and each layer's seed is seed x 1000003 + its index:
+    # 2**64 passed the checks and overflowed on every rank, and so did 2**45 in the layers' seeds.
+    highest, lowest = 18446688733642, -9223344366821
+    for seed in (2**64, 2**45, highest + 1, lowest - 1):
+        with pytest.raises(SystemExit):
+            main(["train", "--seed", str(seed)])
+        assert f"argument --seed: must be a whole number from {lowest} to {highest}, got {seed}: each layer" in (
+            capsys.readouterr().err
+        )
+        with pytest.raises(ValueError, match=f"seed must be a whole number from {lowest} to {highest}, got {seed}"):
+            TrainConfig(seed=seed)
+    with pytest.raises(ValueError, match="got True"):
+        TrainConfig(seed=True)
+    for seed in (highest, lowest, 0, -1):
+        assert config_of(parser().parse_args(["train", "--seed", str(seed)])).seed == seed
+        torch.manual_seed(seed * 1_000_003 + 1_000_002)  # the last layer's seed of the largest model torch takes
+        torch.manual_seed(seed * 1_000_003)
