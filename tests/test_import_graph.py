@@ -20,7 +20,7 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "models": frozenset({"units"}),
     "partition": frozenset({"schedule", "units"}),
     "pipeline": frozenset({"schedule", "partition", "comm", "units"}),
-    "checkpoint": frozenset({"pipeline", "comm"}),
+    "checkpoint": frozenset({"pipeline", "comm", "units"}),
     "plan": frozenset({"pipeline", "partition", "schedule", "comm", "models", "units"}),
     "run": frozenset({"plan", "pipeline", "partition", "schedule", "comm", "models", "checkpoint", "units"}),
     "cli": frozenset({"run", "plan", "pipeline", "partition", "schedule", "comm", "models", "checkpoint", "units"}),

@@ -111,6 +111,16 @@ def add(commands: Any) -> None:
     p.add_argument("--no-checkpoints", dest="checkpoint_dir", action="store_const", const=None, help="write none")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: at end)")
     p.add_argument(
+        "--checkpoint-async", action="store_true",
+        help="save in the background: the state is copied to host memory at the step's end and written while "
+        "training goes on (one save in flight)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-verify-checksums", dest="verify_checksums", action="store_false",
+        help="on resume, check the checkpoint's file sizes against its manifest but not their CRC-32 (which reads "
+        "the whole checkpoint once more)",
+    )  # fmt: skip
+    p.add_argument(
         "--resume", action="store_true",
         help=f"continue the latest run ({ROOT}/{LATEST}, or the run in --out) from its latest checkpoint",
     )  # fmt: skip

@@ -106,6 +106,12 @@ class TrainConfig:
     """Where checkpoints go; none are written without it."""
     checkpoint_every: int = 0
     """Save every this many steps (and at the end); 0 only at the end."""
+    checkpoint_async: bool = False
+    """Save in the background: the state is staged in host memory at the step's end and written while training
+    goes on (DCP's async save), at most one save in flight (see :class:`stagewise.checkpoint.Checkpointer`)."""
+    verify_checksums: bool = True
+    """On resume, rank 0 checks every file of the checkpoint against its manifest's CRC-32, not only its size
+    (a read of the whole checkpoint); a newest checkpoint that fails is passed over for the one before it."""
     resume: bool = False
     """Continue from the latest complete checkpoint in ``checkpoint_dir``. Without it a run refuses a
     ``checkpoint_dir`` that already holds checkpoints (an earlier run's), except when torchrun's agent has

@@ -44,7 +44,7 @@ from stagewise.pipeline import (
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
 from stagewise.run.objective import objective
-from stagewise.run.resume import starting_point
+from stagewise.run.resume import Start, release, starting_point
 from stagewise.run.stopping import StopSignal, StopSignals
 from stagewise.run.user_model import UserModel, model_of
 from stagewise.schedule import Schedule, ScheduleName
@@ -315,7 +315,35 @@ def train(
         )
     optimizer = _optimizer(config, pipe)
     start = starting_point(config, pipe, optimizer)
+    saver = (
+        checkpoint.Checkpointer(config.checkpoint_dir, pipe, asynchronous=config.checkpoint_async)
+        if config.checkpoint_dir is not None
+        else None
+    )
+    try:
+        return _trained(config, pipe, optimizer, (loader, val_loader), start, saver, on_step, stop)
+    finally:
+        try:
+            if saver is not None:
+                saver.close()  # the save in flight completes (or raises its failure) before the run ends
+        finally:
+            release(start)
+
+
+def _trained(
+    config: TrainConfig,
+    pipe: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    loaders: tuple[StageLoader, StageLoader],
+    start: Start,
+    saver: checkpoint.Checkpointer | None,
+    on_step: StepCallback | None,
+    stop: StopSignals | None,
+) -> Summary:
+    """The steps from ``start`` to the run's end, with its checkpoints and evaluations."""
+    loader, val_loader = loaders
     position, found = start.position, start.checkpoint
+    model_config = model_of(config.model)
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())  # a tie counts once
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
@@ -334,13 +362,13 @@ def train(
         if on_step is not None:
             on_step(done, loss, seconds)
         summary.stopped = stop.agreed(pipe.device) if stop is not None and done < end else None
-        if config.checkpoint_dir is not None and (summary.stopped or _due(done, end, config.checkpoint_every)):
+        if saver is not None and (summary.stopped or _due(done, end, config.checkpoint_every)):
             wraps = index + 1 == loader.steps_per_epoch
             progress = checkpoint.Progress(
                 done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size,
                 seed=config.seed, sample_length=config.tokens_per_sample,
             )  # fmt: skip
-            summary.checkpoint = str(checkpoint.save(config.checkpoint_dir, pipe, optimizer, progress))
+            summary.checkpoint = str(saver.save(optimizer, progress))
         if summary.stopped:
             break
         if _due(done, end, config.eval_every):

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from stagewise import checkpoint
+from stagewise.checkpoint.folders import WriterLock, step_folder, step_of
+from stagewise.comm import everyone_agrees
 from stagewise.comm.launch import job_token, restarts, shared_run_id
 from stagewise.pipeline import Pipeline
 from stagewise.run.config import TrainConfig
@@ -25,7 +28,69 @@ class Start:
     position: checkpoint.Progress
     """The step and data position it continues from (step 0: afresh)."""
     checkpoint: Path | None
-    """The latest complete checkpoint in the run's folder, loaded or not; None if there is none."""
+    """The checkpoint in the run's folder that rank 0 chose (the newest that verifies), loaded or not; None if
+    there is none."""
+    lock: WriterLock | None = None
+    """Rank 0's lock on the checkpoint directory, held until the run ends (see :func:`release`)."""
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What rank 0 found in the checkpoint directory, the same on every rank."""
+
+    latest: Path | None
+    """The newest complete checkpoint, verified or not: a fresh run refuses a folder that has one."""
+    chosen: Path | None
+    """The newest that verifies: the one to resume from."""
+    refused: str = ""
+    """Why newer ones were refused (rank 0's words; empty elsewhere)."""
+
+
+def _found(config: TrainConfig, device: torch.device) -> _Found:
+    """Rank 0 lists and verifies the checkpoints; every rank gets its choice, so all load the same one (a folder
+    that is not shared, or a stale listing on one node, cannot split them)."""
+    directory = config.checkpoint_dir
+    if directory is None:
+        return _Found(None, None)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    steps, refused = [-1, -1], ""
+    if rank == 0:
+        newest = checkpoint.latest(directory)
+        choice = checkpoint.choose(directory, checksums=config.verify_checksums)
+        steps = [step_of(p) if p is not None else -1 for p in (newest, choice.path)]
+        refused = choice.describe() if choice.refused else ""
+    if dist.is_initialized():
+        shared = torch.tensor(steps, dtype=torch.int64, device=device)
+        dist.broadcast(shared, src=0)
+        steps = [int(v) for v in shared.tolist()]
+    latest, chosen = (step_folder(directory, s) if s >= 0 else None for s in steps)
+    return _Found(latest, chosen, refused)
+
+
+def _locked(config: TrainConfig, device: torch.device) -> WriterLock | None:
+    """Rank 0 takes the checkpoint directory's lock for the run (every rank learns whether it could)."""
+    if config.checkpoint_dir is None:
+        return None
+    lock, problem = None, ""
+    if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+        try:
+            Path(config.checkpoint_dir).mkdir(parents=True, exist_ok=True)
+            lock = WriterLock(config.checkpoint_dir).acquire()
+        except OSError as err:
+            problem = f"rank 0 cannot write checkpoints to {config.checkpoint_dir}: {err}; choose a writable one"
+        except checkpoint.CheckpointError as err:
+            problem = str(err)
+    if not everyone_agrees(not problem, device):
+        raise checkpoint.CheckpointError(
+            problem or f"rank 0 could not lock {config.checkpoint_dir} (its error says why)"
+        )
+    return lock
+
+
+def release(start: Start) -> None:
+    """Release what :func:`starting_point` holds for the run (rank 0's lock)."""
+    if start.lock is not None:
+        start.lock.release()
 
 
 def starting_point(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.Optimizer) -> Start:
@@ -39,8 +104,18 @@ def starting_point(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.O
     agent's store (:func:`job_token`). Otherwise a folder that holds
     checkpoints is refused, as the first attempt refused it.
     """
+    lock = _locked(config, pipe.device)
+    try:
+        return _started(config, pipe, optimizer, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _started(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.Optimizer, lock: WriterLock | None) -> Start:
     position = checkpoint.Progress(0, 0, 0)
-    found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
+    found = _found(config, pipe.device)
     job, restarted, shared = os.environ.get("TORCHELASTIC_RUN_ID", ""), restarts() > 0, shared_run_id()
     token: str | None = None
     own: bool | None = False  # a restart continues its own job's checkpoints, never another's (see owns)
@@ -48,30 +123,47 @@ def starting_point(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.O
         token = job_token(new=False, timeout=config.timeout) if shared else None
         own = owns(config.checkpoint_dir, job, token)
     if config.resume or own:
-        if found is None:
-            log.warning("no complete checkpoint in %s; starting from step 0", config.checkpoint_dir)
+        if found.chosen is None and not restarted:
+            raise ValueError(nothing_to_resume(str(config.checkpoint_dir), found.refused))
+        if found.chosen is None:
+            log.warning("no complete checkpoint in %s; the restart starts from step 0", config.checkpoint_dir)
         else:
-            position = checkpoint.load(found, pipe, optimizer)
-            check_resumable(config, found, position, restart=own is True)
-    elif found is not None:
+            position = checkpoint.load(found.chosen, pipe, optimizer)
+            check_resumable(config, found.chosen, position, restart=own is True)
+    elif found.latest is not None:
         raise ValueError(
-            fresh_run_refused(str(config.checkpoint_dir), found) if own is False else cannot_tell(found, job)
+            fresh_run_refused(str(config.checkpoint_dir), found.latest)
+            if own is False
+            else cannot_tell(found.latest, job)
         )
     if config.checkpoint_dir is not None:
         if shared and not restarted and pipe.mesh.rank == 0:  # the first attempt's rank 0 records the job's token
             token = job_token(new=True, timeout=config.timeout)
         claim(config.checkpoint_dir, job, pipe.device, token)
-    return Start(position, found)
+    return Start(position, found.chosen, lock)
+
+
+def nothing_to_resume(directory: str, refused: str = "") -> str:
+    """Why a resume of ``directory`` cannot start: it holds no checkpoint that verifies."""
+    why = f" ({refused})" if refused else ""
+    return (
+        f"resume continues the latest checkpoint in {directory}, but it holds none that is complete and intact{why}; "
+        "start without --resume, or name the run that has them (--out DIR or --checkpoint-dir DIR)"
+    )
 
 
 def check_resume(config: TrainConfig) -> None:
-    """What resuming ``config`` would refuse, checked by a launcher before it starts any process: a checkpoint
-    whose data the run would not continue, or a run with nothing left to train (see :func:`check_resumable`)."""
+    """What the run would refuse, checked by a launcher before it starts any process: a checkpoint directory
+    another run writes, a resume with no checkpoint whose files match its manifest, a checkpoint whose data the
+    run would not continue, or a run with nothing left to train (see :func:`check_resumable`)."""
+    if config.checkpoint_dir is not None:
+        checkpoint.check_unlocked(config.checkpoint_dir)
     if not config.resume or config.checkpoint_dir is None:
         return
-    found = checkpoint.latest(config.checkpoint_dir)
-    if found is not None:
-        check_resumable(config, found, checkpoint.progress_of(found), restart=False)
+    choice = checkpoint.choose(config.checkpoint_dir, checksums=False)  # sizes here; rank 0 checks the rest
+    if choice.path is None:
+        raise ValueError(nothing_to_resume(config.checkpoint_dir, choice.describe() if choice.refused else ""))
+    check_resumable(config, choice.path, checkpoint.progress_of(choice.path), restart=False)
 
 
 def check_resumable(config: TrainConfig, found: Path, position: checkpoint.Progress, *, restart: bool) -> None:

@@ -178,7 +178,7 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
     assert len(summary["losses"]) == 12 and summary["losses"][-1] < summary["losses"][0] - 1.0
     assert [step for step, _ in summary["evals"]] == [6, 12]
     assert (out / "loss.png").stat().st_size > 0
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["job", "step-00000006", "step-00000012"]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == [".lock", "job", "step-00000006", "step-00000012"]
     assert f"checkpoint {out / 'ckpt' / 'step-00000012'}" in done.stdout
     for rank in range(2):
         events = json.loads((out / "traces" / f"step.rank{rank}.json").read_text())["traceEvents"]

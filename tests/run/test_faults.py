@@ -19,6 +19,7 @@ from support.multiproc import run_ranks
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stagewise import checkpoint
+from stagewise.checkpoint import saving
 from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.launch import SHARED_RUN_ID, _children
@@ -64,14 +65,14 @@ def killed(phase: str, root: str) -> None:
 
             register_optimizer_step_pre_hook(before_step)
         if phase == "checkpoint":
-            real = checkpoint.dcp_save
+            real = saving.dcp_save
 
             def dying(*args: Any, **kwargs: Any) -> Any:
                 if pipe.steps == 4:  # the second save: the first one stays the latest complete checkpoint
                     _die()
                 return real(*args, **kwargs)
 
-            checkpoint.dcp_save = dying  # type: ignore[assignment]
+            saving.dcp_save = dying  # type: ignore[assignment]
 
     train(dataclasses.replace(BASE, checkpoint_dir=root), on_start=arm)
 
@@ -110,7 +111,7 @@ def interrupted(root: str) -> Summary:
             _die()
 
     if attempt == 1 and rank == 1:
-        real = checkpoint.save
+        real = checkpoint.Checkpointer.save
 
         def save_then_die(*args: Any, **kwargs: Any) -> Path:
             saved = real(*args, **kwargs)
@@ -118,7 +119,7 @@ def interrupted(root: str) -> Summary:
                 _die()
             return saved
 
-        checkpoint.save = save_then_die  # type: ignore[assignment]
+        checkpoint.Checkpointer.save = save_then_die  # type: ignore[method-assign]
     return train(dataclasses.replace(BASE, checkpoint_dir=root), on_step=maybe_die)
 
 
