@@ -31,6 +31,15 @@ from typing_extensions import Unpack
 from stagewise.comm import rendezvous
 from stagewise.comm.launch_failures import LaunchError, failures_of, report
 from stagewise.comm.layout import Layout
+from stagewise.comm.process_tree import (
+    RANKS_DIR,
+    end_stopped,
+    name_stopped,
+    record_rank,
+    stopped_siblings,
+    watch_parent,
+)
+from stagewise.comm.shared_memory_files import remove_made
 
 log = logging.getLogger(__name__)
 
@@ -163,11 +172,15 @@ class _Returning:
     thread. The agent pickles each rank's result after ``fn`` has returned,
     outside the scope that records a rank's exception, so an unpicklable
     result (a tensor attached to an autograd graph) would fail without its
-    cause. A rank that fails writes its report at once, then
+    cause. A rank that fails writes its report at once (naming the job's
+    ranks that are stopped, whose silence timed it out, and ending them),
+    then
     waits ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`). A
     rank interrupted (SIGINT) or calling ``sys.exit`` fails the same way: torch's
     process wrapper would otherwise exit with code 0 and no result, and the
-    agent would wait for that result forever.
+    agent would wait for that result forever. A rank whose launcher is gone
+    (killed alone) removes its shared memory and exits within a quarter of a
+    second.
     """
 
     def __init__(self, fn: Callable[..., Any], env: Mapping[str, str], threads: int | None, grace: float) -> None:
@@ -181,7 +194,9 @@ class _Returning:
 
     def __call__(self, *args: Any) -> Any:
         _fresh_stop_signals()
+        watch_parent(remove_made)  # a launcher killed alone: its ranks go too, and their shared memory with them
         os.environ.update(self.env)
+        record_rank(int(os.environ.get("RANK", "-1")))
         if self.cores:
             _pin(self.cores[int(os.environ["LOCAL_RANK"])])
         if self.threads is not None:
@@ -196,7 +211,10 @@ class _Returning:
                     f"called sys.exit({err.code!r}) instead of returning; return a value or raise an exception"
                 ) from err
         except Exception as err:
+            stopped = stopped_siblings()
+            name_stopped(err, stopped)  # a peer stopped (SIGSTOP) times a collective out: say which
             report(err)  # now: the agent may stop this process while it waits
+            end_stopped(stopped)
             time.sleep(self.grace)
             raise
 
@@ -332,9 +350,8 @@ def _passing_stop_signals(active: bool) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def _run(
-    entrypoint: Callable[..., Any] | str, args: Sequence[Any], nprocs: int, options: LaunchOptions
-) -> dict[int, Any]:
+def _checked(nprocs: int, options: LaunchOptions) -> None:
+    """Refuse options :func:`launch` does not have, and values out of range, in one line each."""
     unknown = sorted(set(options) - set(LaunchOptions.__annotations__))
     if unknown:
         raise TypeError(
@@ -346,7 +363,6 @@ def _run(
     max_restarts = options.get("max_restarts", 0)
     device = options.get("device", "cpu")
     start_method = options.get("start_method", "spawn")
-    is_host = options.get("is_host")
     counts: list[tuple[str, object, int]] = [
         ("nprocs", nprocs, 1),
         ("nnodes", nnodes, 1),
@@ -366,6 +382,15 @@ def _run(
             f"nnodes={nnodes} needs rdzv_endpoint='HOST:PORT', the same on every node "
             "(the host of the node with is_host=True)"
         )
+
+
+def _run(
+    entrypoint: Callable[..., Any] | str, args: Sequence[Any], nprocs: int, options: LaunchOptions
+) -> dict[int, Any]:
+    _checked(nprocs, options)
+    nnodes = options.get("nnodes", 1)
+    start_method = options.get("start_method", "spawn")
+    is_host = options.get("is_host")
     endpoint = options.get("rdzv_endpoint") or f"{LOOPBACK}:0"
     host = endpoint.rsplit(":", 1)[0]
     rdzv_configs: dict[str, Any] = {} if is_host is None else {"is_host": is_host}
@@ -388,6 +413,9 @@ def _run(
         extra = [module] if module and module != "__main__" else []
         multiprocessing.set_forkserver_preload([*FORKSERVER_PRELOAD, *extra])  # used when the server starts
     with tempfile.TemporaryDirectory(prefix="stagewise-launch-") as logs:
+        if isinstance(entrypoint, _Returning):  # where each process records its rank, for its peers to name it
+            entrypoint.env[RANKS_DIR] = str(Path(logs, "ranks"))
+            Path(logs, "ranks").mkdir()
         config = LaunchConfig(
             min_nodes=nnodes,
             max_nodes=nnodes,
@@ -397,7 +425,7 @@ def _run(
             rdzv_backend=backend,
             rdzv_endpoint=endpoint,
             rdzv_configs=rdzv_configs,
-            max_restarts=max_restarts,
+            max_restarts=options.get("max_restarts", 0),
             monitor_interval=options.get("monitor_interval", 0.1),
             start_method=start_method,
             signals_to_handle="SIGHUP,SIGQUIT" if options.get("pass_stop_signals") else "SIGTERM,SIGINT,SIGHUP,SIGQUIT",

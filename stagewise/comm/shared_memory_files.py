@@ -141,7 +141,7 @@ _LIVE: weakref.WeakSet[Forks] = weakref.WeakSet()
 """Every wire of this process, for :func:`_after_fork`."""
 
 _WATCHING: list[int] = []
-"""The process that registered :func:`_remove_made` for its exit (a forked child registers its own)."""
+"""The process that registered :func:`remove_made` for its exit (a forked child registers its own)."""
 
 _FORK_HOOK: list[bool] = []
 """Whether :func:`_after_fork` is registered: once per interpreter, as a forked child inherits it."""
@@ -166,9 +166,9 @@ def watch(wire: Forks) -> None:
         _FORK_HOOK.append(True)
     if [os.getpid()] != _WATCHING:
         _WATCHING[:] = [os.getpid()]
-        atexit.register(_remove_made)
+        atexit.register(remove_made)
         # multiprocessing's processes leave by os._exit, past atexit; its finalizers run in the process that made them.
-        multiprocessing.util.Finalize(None, _remove_made, exitpriority=0)
+        multiprocessing.util.Finalize(None, remove_made, exitpriority=0)
     _LIVE.add(wire)
 
 
@@ -177,7 +177,8 @@ def unwatch(wire: Forks) -> None:
     _LIVE.discard(wire)
 
 
-def _remove_made() -> None:
+def remove_made() -> None:
+    """Remove every segment this process made that is still there (at its exit, or when it must end at once)."""
     for path in _MADE:
         with contextlib.suppress(OSError):
             path.unlink()
