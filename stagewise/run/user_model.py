@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,9 @@ class UserModel:
             import transformers
         except ImportError as err:
             raise ImportError(f"--model {self.name} needs transformers: pip install transformers") from err
-        model: nn.Module = transformers.AutoModelForCausalLM.from_config(self.config)  # type: ignore[no-untyped-call]
+        model: nn.Module = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            self.config, trust_remote_code=False
+        )
         return model
 
     @property
@@ -62,7 +65,7 @@ class UserModel:
             return None
         import transformers
 
-        return transformers.AutoConfig.from_pretrained(folder)
+        return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
 
     @property
     def weights(self) -> Path | None:
@@ -114,14 +117,34 @@ def _factory(name: str) -> Any:
     return factory
 
 
+def _check_hf_folder(name: str, folder: Path) -> None:
+    """A Hugging Face folder stagewise reads as data: a config.json that names no code of its own (``auto_map``,
+    which transformers would import with ``trust_remote_code``; stagewise never turns that on)."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        missing = f"--model {name}: {folder} holds no config.json; give a folder save_pretrained wrote"
+        raise ValueError(missing) from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {name}: cannot read {path} as JSON ({err})") from err
+    if not isinstance(config, dict):
+        raise ValueError(f"--model {name}: {path} holds a JSON {type(config).__name__}, not a config")
+    if "auto_map" in config:
+        raise ValueError(
+            f"--model {name}: {path} names code of its own (auto_map {sorted(config['auto_map'])}), which stagewise "
+            "never runs (no trust_remote_code); use a model class transformers ships, or build the model in your "
+            "own code and train it with --model MODULE:FACTORY"
+        )
+
+
 def model_of(name: str) -> ModelConfig | UserModel:
     """The model a run names: a preset, ``hf:DIR`` (a local Hugging Face folder) or ``MODULE:FACTORY``."""
     if name in PRESETS:
         return preset(name)
     if name.startswith(HF):
         folder = Path(name[len(HF) :])
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"--model {name}: {folder} holds no config.json; give a folder save_pretrained wrote")
+        _check_hf_folder(name, folder)
         return UserModel(name)
     module_name, _, factory_name = name.partition(":")
     if module_name and factory_name:

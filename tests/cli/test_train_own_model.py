@@ -61,3 +61,20 @@ def test_a_model_that_is_not_there_is_refused_with_the_forms_a_model_takes(
         ValueError, match=r"unknown model 'gpt-huge': give a preset \(.*\), hf:DIR .* or MODULE:FACTORY"
     ):
         TrainConfig(model="gpt-huge")
+
+
+def test_a_folder_whose_config_names_code_of_its_own_is_refused_without_running_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # transformers would import the folder's modeling code (or prompt for trust_remote_code on a terminal).
+    marker = tmp_path / "ran"
+    (tmp_path / "modeling_evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n")
+    auto_map = {"AutoConfig": "modeling_evil.EvilConfig", "AutoModelForCausalLM": "modeling_evil.Evil"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "evil", "auto_map": auto_map}))
+    with pytest.raises(SystemExit):
+        main(["train", "--model", f"hf:{tmp_path}"])
+    err = capsys.readouterr().err
+    assert "names code of its own (auto_map ['AutoConfig', 'AutoModelForCausalLM']), which stagewise never runs" in err
+    with pytest.raises(ValueError, match="which stagewise never runs"):
+        TrainConfig(model=f"hf:{tmp_path}")
+    assert not marker.exists()
