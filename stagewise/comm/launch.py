@@ -31,14 +31,7 @@ from typing_extensions import Unpack
 from stagewise.comm import rendezvous
 from stagewise.comm.launch_failures import LaunchError, failures_of, report
 from stagewise.comm.layout import Layout
-from stagewise.comm.process_tree import (
-    RANKS_DIR,
-    end_stopped,
-    name_stopped,
-    record_rank,
-    stopped_siblings,
-    watch_parent,
-)
+from stagewise.comm.process_tree import RANKS_DIR, name_stopped, record_rank, stopped_siblings, wake, watch_parent
 from stagewise.comm.shared_memory_files import remove_made
 
 log = logging.getLogger(__name__)
@@ -173,9 +166,9 @@ class _Returning:
     outside the scope that records a rank's exception, so an unpicklable
     result (a tensor attached to an autograd graph) would fail without its
     cause. A rank that fails writes its report at once (naming the job's
-    ranks that are stopped, whose silence timed it out, and ending them),
-    then
-    waits ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`). A
+    ranks that are stopped, whose silence timed it out), then waits
+    ``grace`` seconds before it exits (see :data:`FAILURE_GRACE`) and lets
+    the stopped ranks run again, so that the agent's SIGTERM ends them. A
     rank interrupted (SIGINT) or calling ``sys.exit`` fails the same way: torch's
     process wrapper would otherwise exit with code 0 and no result, and the
     agent would wait for that result forever. A rank whose launcher is gone
@@ -214,8 +207,8 @@ class _Returning:
             stopped = stopped_siblings()
             name_stopped(err, stopped)  # a peer stopped (SIGSTOP) times a collective out: say which
             report(err)  # now: the agent may stop this process while it waits
-            end_stopped(stopped)
             time.sleep(self.grace)
+            wake(stopped)  # so that the agent's SIGTERM ends them now, not 30 s later
             raise
 
     def _checked(self, result: Any) -> Any:

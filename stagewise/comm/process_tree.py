@@ -94,12 +94,12 @@ def name_stopped(err: BaseException, stopped: list[Stopped]) -> None:
     )
 
 
-def end_stopped(stopped: list[Stopped]) -> None:
-    """End the stopped processes of a job that is failing anyway: torch's agent would send them SIGTERM, which a
-    stopped process cannot act on, and wait 30 s before it sends SIGKILL."""
+def wake(stopped: list[Stopped]) -> None:
+    """Let the stopped processes of a failing job run again (SIGCONT), so that they can act on the SIGTERM with
+    which torch's agent stops the job: a stopped process cannot, and the agent waits 30 s before its SIGKILL."""
     for process in stopped:
         with contextlib.suppress(OSError):
-            os.kill(process.pid, signal.SIGKILL)
+            os.kill(process.pid, signal.SIGCONT)
 
 
 def watch_parent(on_gone: Callable[[], None], interval: float = WATCH_INTERVAL) -> threading.Thread:
