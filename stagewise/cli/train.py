@@ -351,6 +351,21 @@ def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[in
         raise JobFailedError(f"{err.headline} (the full report: {log})") from None
 
 
+def _say_where_nodes_meet() -> None:
+    """Under torchrun on several nodes, rank 0 prints the job's store and id: every node reaches them, and so can
+    anyone else on that network."""
+    env = os.environ
+    if env.get("RANK", "0") != "0" or env.get("WORLD_SIZE") == env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE")):
+        return
+    print(
+        f"stagewise train: {env.get('WORLD_SIZE')} processes on several nodes; the job's store is "
+        f"{env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')} (job id {env.get('TORCHELASTIC_RUN_ID', 'none')}): "
+        "anyone who reaches it can join or disturb the job, so keep the nodes on a trusted network and give each "
+        "job an id of its own (torchrun --rdzv-id)",
+        flush=True,
+    )
+
+
 def run(ns: argparse.Namespace) -> int:
     torchrun = _under_torchrun()
     chosen = _chosen_folder(ns, torchrun)
@@ -358,6 +373,7 @@ def run(ns: argparse.Namespace) -> int:
     _checked_before_start(ns, config, torchrun)
     out, config = _made_folder(ns, config, chosen)
     if torchrun:
+        _say_where_nodes_meet()
         summary = run_rank(config)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0

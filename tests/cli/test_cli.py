@@ -418,3 +418,23 @@ def test_a_seed_torch_cannot_take_on_every_rank_is_refused(
         assert config_of(parser().parse_args(["train", "--seed", str(seed)])).seed == seed
         torch.manual_seed(seed * 1_000_003 + 1_000_002)  # the last layer's seed of the largest model torch takes
         torch.manual_seed(seed * 1_000_003)
+
+
+def test_rank_0_of_a_job_on_several_nodes_says_where_they_meet(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stagewise.cli.train import _say_where_nodes_meet
+
+    env = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    for key, value in {**env, "TORCHELASTIC_RUN_ID": "job7"}.items():
+        monkeypatch.setenv(key, value)
+    _say_where_nodes_meet()
+    out = capsys.readouterr().out
+    assert "8 processes on several nodes; the job's store is node0:29500 (job id job7)" in out
+    assert "keep the nodes on a trusted network" in out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # one node: its store listens on loopback alone
+    _say_where_nodes_meet()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "5")  # only rank 0 prints
+    _say_where_nodes_meet()
+    assert capsys.readouterr().out == ""
