@@ -15,11 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.faults import arm
 from support.multiproc import run_ranks
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from stagewise import checkpoint
-from stagewise.checkpoint import saving
 from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.launch import SHARED_RUN_ID, _children
@@ -41,43 +40,15 @@ def killed(phase: str, root: str) -> None:
     """Train on 2 ranks; rank 1 kills itself with SIGKILL in ``phase`` of step 4."""
     torch.set_num_threads(1)
     victim = int(os.environ["RANK"]) == 1
-    calls = {"forward": 0, "backward": 0}
 
-    def arm(pipe: Pipeline) -> None:
-        if not victim:
-            return
-        layer = next(iter(pipe.stages.values())).layers[0]
+    def armed(pipe: Pipeline) -> None:
+        if victim:  # in step 4: the save of step 2 is the latest complete checkpoint
+            arm(pipe, phase, 4, BASE.microbatches, _die)
 
-        def count(kind: str) -> None:
-            calls[kind] += 1
-            if kind == phase and calls[kind] > 3 * BASE.microbatches:  # in step 4
-                _die()
-
-        layer.register_forward_pre_hook(lambda *_: count("forward"))
-        layer.register_full_backward_pre_hook(lambda *_: count("backward"))
-        if phase == "optimizer":
-            steps = [0]
-
-            def before_step(*_: Any) -> None:
-                steps[0] += 1
-                if steps[0] == 4:
-                    _die()
-
-            register_optimizer_step_pre_hook(before_step)
-        if phase == "checkpoint":
-            real = saving.dcp_save
-
-            def dying(*args: Any, **kwargs: Any) -> Any:
-                if pipe.steps == 4:  # the second save: the first one stays the latest complete checkpoint
-                    _die()
-                return real(*args, **kwargs)
-
-            saving.dcp_save = dying  # type: ignore[assignment]
-
-    train(dataclasses.replace(BASE, checkpoint_dir=root), on_start=arm)
+    train(dataclasses.replace(BASE, checkpoint_dir=root), on_start=armed)
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer", "checkpoint"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer", "save"])
 def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: Path) -> None:
     began = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -86,7 +57,7 @@ def test_a_killed_rank_ends_the_job_quickly_and_is_named(phase: str, tmp_path: P
     dead = [f for f in info.value.failures if f.rank == 1]
     assert dead and dead[0].exitcode == -signal.SIGKILL, info.value.failures
     assert str(info.value).startswith("rank 1 (stage 1, replica 0) failed (exit code -9)"), str(info.value)
-    if phase == "checkpoint":
+    if phase == "save":
         last = checkpoint.latest(tmp_path)
         assert last is not None and last.name == "step-00000002"  # the cut-off save does not count
         assert checkpoint.export(last, tmp_path / "model.pt").stat().st_size > 0
