@@ -148,7 +148,15 @@ def _example(example: Inputs) -> _Example:
         raise ValueError(
             f"the example inputs must share their first (batch) dimension, got shapes {[tuple(a.shape) for a in args]}"
         )
-    return _Example(names, args, keywords)
+    return _Example(names, tuple(standalone(a) for a in args), keywords)
+
+
+def standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a tensor of its own: a view into a larger one (a slice of a batch, ``ids[:2, :-1]``) is
+    copied into contiguous memory, so that torch.export sees no stride that ties its free sizes to the larger
+    tensor's (a slice's row stride is the whole row's length, which a free sequence length contradicts)."""
+    whole = tensor.is_contiguous() and tensor.storage_offset() == 0
+    return tensor if whole or tensor.is_meta else tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _on_the_models_device(model: nn.Module, example: _Example) -> _Example:

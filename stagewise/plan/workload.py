@@ -21,6 +21,7 @@ from stagewise.comm import Payload, as_tensors, launch
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.models import GPT, gpt_parallel, preset
 from stagewise.partition import LayerCost, LiveBytes, SharedParameter, layers_of, profile, shared_parameters
+from stagewise.partition.call_spec import Inputs, positional_inputs
 from stagewise.pipeline import LossFn
 from stagewise.plan.tensor_traffic import LayerTraffic, layer_traffic
 
@@ -181,7 +182,7 @@ def _to(payload: Any, device: torch.device, *, random: bool = False, fresh: bool
 
 def workload(
     model: nn.Module,
-    sample: Payload,
+    sample: Inputs,
     *,
     global_batch: int,
     tokens_per_sample: int = 1,
@@ -190,7 +191,9 @@ def workload(
     loss: tuple[LossFn, Payload] | None = None,
     optimizer: OptimizerKind = "adamw",
 ) -> Workload:
-    """Profile ``model`` (on the meta device, or timed on ``measure_on``) for one micro-batch ``sample``.
+    """Profile ``model`` (on the meta device, or timed on ``measure_on``) for one micro-batch ``sample``: a
+    tensor, a tuple of tensors, or a captured model's keyword inputs (``{"input_ids": ...}``), as
+    :func:`~stagewise.partition.capture` and :func:`~stagewise.partition.auto` take them.
 
     Timing runs with one intra-op thread on the CPU, as each rank of
     ``stagewise train`` does, and also measures the optimizer step and, given
@@ -199,6 +202,7 @@ def workload(
     what each of :data:`TP_DEGREES` would split and communicate
     (:func:`~stagewise.plan.tensor_traffic.layer_traffic`).
     """
+    sample = positional_inputs(model, sample)  # keywords as a captured model takes them by position
     tensors, _ = as_tensors(sample)
     batch = int(tensors[0].shape[0])
     per_param = None
