@@ -62,7 +62,12 @@ def report(summary: Summary, out: Path) -> list[str]:
             f"{summary.losses[0]:.3f} -> {summary.losses[-1]:.3f}, {summary.throughput():.0f} {_unit(summary)}/s"
         )
     if summary.evals:
-        lines.append("validation loss " + ", ".join(f"{v:.3f} (step {s})" for s, v in summary.evals))
+        step, last = summary.evals[-1]
+        perplexity = f"{math.exp(last):.2f}" if last < 700 else "inf"
+        lines.append(
+            "validation loss " + ", ".join(f"{v:.3f} (step {s})" for s, v in summary.evals)
+            + f"; perplexity {perplexity} at step {step}"
+        )  # fmt: skip
     if summary.checkpoint:
         lines.append(f"checkpoint {summary.checkpoint}")
     import matplotlib

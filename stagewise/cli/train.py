@@ -31,6 +31,8 @@ from stagewise.schedule import ScheduleName
 DEFAULTS = TrainConfig()
 TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 """The loggers of torch's agent, which the launching process quiets unless asked to be verbose."""
+METRICS = "metrics.jsonl"
+"""The run folder's file of metrics: one JSON line per step and evaluation."""
 IN_RUN_FOLDER = "RUN/checkpoints"
 """--checkpoint-dir's default: ``checkpoints/`` in the run's folder, whichever it is."""
 PLANNED = (
@@ -126,6 +128,19 @@ def add(commands: Any) -> None:
     )  # fmt: skip
     p.add_argument("--trace", default=d.trace, help="write a Chrome trace of the last step here (per rank)")
     p.add_argument(
+        "--tensorboard", action="store_true",
+        help="also write the metrics for TensorBoard, into tensorboard/ in the run's folder (the tensorboard extra)",
+    )  # fmt: skip
+    p.add_argument(
+        "--wandb", action="store_true",
+        help="also log the metrics to an offline Weights & Biases run in wandb/ in the run's folder (the wandb "
+        "extra; WANDB_MODE=online to upload as it goes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--log-every", type=args.positive_int, default=d.log_every, metavar="N",
+        help="where the output is no terminal (a log file), print a line every N steps instead of a progress bar",
+    )  # fmt: skip
+    p.add_argument(
         "--skip-nonfinite", dest="nonfinite", action="store_const", const="skip", default="raise",
         help="skip a step whose loss is NaN or infinite (default: stop with an error naming it)",
     )  # fmt: skip
@@ -204,37 +219,57 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
 
 
-def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
-    """One rank's part of ``train``: rank 0 shows the layout and a progress bar; ``verbose`` logs debug messages
-    (a launched process configures its logging anew)."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=args.LOG_FORMAT)
-    rank = int(os.environ.get("RANK", "0"))
-    bar: Any = None
-    amount = config.batch_size * config.tokens_per_sample
-    per_second = "tok_s" if config.tokens_per_sample > 1 else "samples_s"
+class _Progress:
+    """What rank 0 shows as the run goes: a progress bar on a terminal; in a log file (SLURM's, CI's), where a
+    bar's redraws would pile up, one line every ``config.log_every`` steps."""
 
-    def started(pipe: Pipeline) -> None:
-        nonlocal bar
-        if rank == 0:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.bar: Any = None
+        self.unit = "tok/s" if config.tokens_per_sample > 1 else "samples/s"
+
+    def started(self, pipe: Pipeline) -> None:
+        print(pipe.mesh.describe(), flush=True)
+        print(f"partition {list(pipe.partition.bounds)}, schedule {pipe.schedule.name}", flush=True)
+        if sys.stderr.isatty():
             from tqdm import tqdm
 
-            print(pipe.mesh.describe(), flush=True)
-            print(f"partition {list(pipe.partition.bounds)}, schedule {pipe.schedule.name}", flush=True)
-            bar = tqdm(total=config.steps, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=self.config.steps, desc="train", unit="step", dynamic_ncols=True)
 
-    def stepped(step: int, loss: float, seconds: float) -> None:
-        if bar is None:
-            return
-        bar.update(step - bar.n)  # a resumed run starts at its step
-        rate = {per_second: f"{amount / max(seconds, 1e-9):.0f}"}
-        bar.set_postfix(loss=f"{loss:.3f}", **rate, step_s=f"{seconds:.2f}")
+    def stepped(self, step: int, loss: float, seconds: float) -> None:
+        rate = self.config.batch_size * self.config.tokens_per_sample / max(seconds, 1e-9)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)  # a resumed run starts at its step
+            self.bar.set_postfix(
+                loss=f"{loss:.3f}", **{self.unit.replace("/", "_"): f"{rate:.0f}"}, step_s=f"{seconds:.2f}"
+            )
+        elif step % self.config.log_every == 0 or step == self.config.steps:
+            print(
+                f"step {step}/{self.config.steps}: loss {loss:.3f}, {rate:.0f} {self.unit}, {seconds:.2f} s/step",
+                flush=True,
+            )
 
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
+    """One rank's part of ``train``: rank 0 shows the layout and the progress (:class:`_Progress`); ``verbose``
+    logs debug messages (a launched process configures its logging anew)."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=args.LOG_FORMAT)
+    shown = _Progress(config) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         with StopSignals() as stop:
-            summary = train(config, on_start=started, on_step=stepped, stop=stop)
+            summary = train(
+                config,
+                on_start=shown.started if shown else None,
+                on_step=shown.stepped if shown else None,
+                stop=stop,
+            )
     finally:
-        if bar is not None:
-            bar.close()
+        if shown is not None:
+            shown.close()
     # The job is over on every rank: release its groups (NCCL warns of a leak at exit for one left open).
     torch.distributed.destroy_process_group()
     return summary
@@ -291,15 +326,22 @@ def _checked_before_start(ns: argparse.Namespace, config: TrainConfig, torchrun:
 
 
 def _made_folder(ns: argparse.Namespace, config: TrainConfig, chosen: Path | None) -> tuple[Path, TrainConfig]:
-    """The run's folder, made now (a new one when none was chosen), and the config writing its checkpoints there."""
+    """The run's folder, made now (a new one when none was chosen), and the config writing its checkpoints and
+    metrics there."""
     if chosen is not None:
         _writable("--out", chosen)
-        return chosen, config
-    _writable("--out", ROOT)
-    out = new_run(ROOT)
-    if ns.checkpoint_dir == IN_RUN_FOLDER:
-        config = dataclasses.replace(config, checkpoint_dir=str(out / "checkpoints"))
-    return out, config
+        out = chosen
+    else:
+        _writable("--out", ROOT)
+        out = new_run(ROOT)
+        if ns.checkpoint_dir == IN_RUN_FOLDER:
+            config = dataclasses.replace(config, checkpoint_dir=str(out / "checkpoints"))
+    return out, dataclasses.replace(
+        config,
+        metrics=str(out / METRICS),
+        tensorboard=str(out / "tensorboard") if ns.tensorboard else None,
+        wandb=str(out / "wandb") if ns.wandb else None,
+    )
 
 
 def crowding(processes: int, cores: int | None = None) -> str | None:

@@ -117,6 +117,17 @@ class TrainConfig:
     ``checkpoint_dir`` that already holds checkpoints (an earlier run's), except when torchrun's agent has
     restarted it after a failure: a restart continues from the latest checkpoint of its own job (see
     :func:`train`)."""
+    metrics: str | None = None
+    """Where rank 0 appends one JSON line per step and evaluation (``stagewise train``: ``metrics.jsonl`` in the
+    run's folder); None writes none."""
+    tensorboard: str | None = None
+    """A folder for TensorBoard's event files (the ``tensorboard`` extra); None writes none."""
+    wandb: str | None = None
+    """A folder for an offline Weights & Biases run (the ``wandb`` extra; ``WANDB_MODE`` may set another mode);
+    None: no W&B run."""
+    log_every: int = 10
+    """On a terminal, rank 0 shows a progress bar; where its output is no terminal (a log file), a line every
+    this many steps."""
     trace: str | None = None
     """Write a Chrome/Perfetto trace of this run's last step here (one file per rank)."""
     timeout: float = DEFAULT_TIMEOUT
@@ -149,6 +160,7 @@ class TrainConfig:
             "seq_len",
             "steps",
             "eval_batches",
+            "log_every",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -28,7 +28,7 @@ from stagewise.models import (
     teacher_regression,
 )
 from stagewise.models.text import text_splits
-from stagewise.partition import Layer, Partition, auto, balance, layers_of
+from stagewise.partition import Layer, Partition, balance, balance_costs, layers_of, profile, shared_parameters
 from stagewise.pipeline import (
     Batch,
     Compute,
@@ -43,6 +43,7 @@ from stagewise.pipeline import (
 )
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
+from stagewise.run.metrics import Destinations, MetricsLog, Recorder, matmul_peak
 from stagewise.run.objective import objective
 from stagewise.run.resume import Start, release, starting_point
 from stagewise.run.stopping import StopSignal, StopSignals
@@ -198,18 +199,33 @@ def _meta_model(config: TrainConfig, model_config: ModelConfig | UserModel) -> n
     return model_config.build(device="meta")
 
 
+@dataclass(frozen=True)
+class _Assembled:
+    """A rank's pipeline, and what the run measures against."""
+
+    pipe: Pipeline
+    flops_per_sample: float
+    """The model's forward and backward FLOPs for one sample (recomputation not counted)."""
+
+
 def build_pipeline(config: TrainConfig) -> Pipeline:
     """The Pipeline of ``config`` on this rank: the model on the meta device, split exactly by FLOPs; a Hugging
     Face folder's weights are read per stage."""
+    return _assembled(config).pipe
+
+
+def _assembled(config: TrainConfig) -> _Assembled:
     mesh = init_mesh(config.stages, config.dp, fsdp=config.fsdp, tp=config.tp, timeout=config.timeout)
     model_config = model_of(config.model)
     model = _meta_model(config, model_config)
     n_stages = config.stages * config.virtual
-    sample = model_config.example(_micro(config), config.seq_len if config.tokens_per_sample > 1 else None)
+    micro = _micro(config)
+    sample = model_config.example(micro, config.seq_len if config.tokens_per_sample > 1 else None)
+    costs = profile(model, sample)  # on the meta device: FLOPs, for the split and the MFU
     part: Partition = (
         Partition.from_bounds(config.partition)
         if config.partition is not None
-        else auto(model, n_stages, sample, by="flops")
+        else balance_costs(costs, n_stages, by="flops", shared=shared_parameters(layers_of(model)))
     )
     pipe = Pipeline(
         model,
@@ -223,7 +239,7 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
     weights = model_config.weights if isinstance(model_config, UserModel) else None
     if weights is not None:
         load_pretrained(pipe, weights)
-    return pipe
+    return _Assembled(pipe, sum(c.flops for c in costs) / micro)
 
 
 def schedule_of(config: TrainConfig) -> ScheduleName | Schedule:
@@ -260,11 +276,19 @@ def _due(done: int, end: int, every: int) -> bool:
     return done == end or (every > 0 and done % every == 0)
 
 
+@dataclass(frozen=True)
+class _Stepped:
+    loss: float
+    grad_norm: float
+    """The gradients' global norm before clipping; NaN for a step skipped for a non-finite loss."""
+
+
 def _train_step(
     pipe: Pipeline, optimizer: torch.optim.Optimizer, config: TrainConfig, step: int, batch: Batch, *, traced: bool
-) -> float:
+) -> _Stepped:
     """Step ``step``: its learning rate, forward and backward, clipping and the update (unless the pipeline
-    skipped it for a non-finite loss); the loss. ``traced``: write the step's Chrome trace."""
+    skipped it for a non-finite loss); the loss and the gradients' norm. ``traced``: write the step's Chrome
+    trace."""
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(config, step)
     optimizer.zero_grad(set_to_none=True)
@@ -272,11 +296,11 @@ def _train_step(
         pipe.chrome_trace = Path(config.trace)
     loss = float(pipe.step(batch.inputs, batch.targets))
     pipe.chrome_trace = None  # the evaluation after it must not overwrite the step's trace
+    norm = math.nan
     if not pipe.skipped:
-        if config.clip > 0:
-            pipe.clip_grad_norm_(config.clip)
+        norm = float(pipe.clip_grad_norm_(config.clip if config.clip > 0 else math.inf))  # inf: measured, not clipped
         optimizer.step()
-    return loss
+    return _Stepped(loss, norm)
 
 
 def train(
@@ -299,7 +323,8 @@ def train(
     Summary without steps.
     """
     torch.manual_seed(config.seed)
-    pipe = build_pipeline(config)
+    built = _assembled(config)
+    pipe = built.pipe
     if on_start is not None:
         on_start(pipe)
     model_config = model_of(config.model)
@@ -321,7 +346,13 @@ def train(
         else None
     )
     try:
-        return _trained(config, pipe, optimizer, (loader, val_loader), start, saver, on_step, stop)
+        with _metrics_log(config, pipe) as log:
+            recorder = Recorder(
+                log, pipe.device, flops_per_step=built.flops_per_sample * config.batch_size,
+                amount=config.batch_size * config.tokens_per_sample, peak_flops=_peak_flops(config, pipe),
+            )  # fmt: skip
+            run = _Run(config, pipe, optimizer, loader, val_loader, start, saver, recorder)
+            return _trained(run, on_step, stop)
     finally:
         try:
             if saver is not None:
@@ -330,50 +361,79 @@ def train(
             release(start)
 
 
-def _trained(
-    config: TrainConfig,
-    pipe: Pipeline,
-    optimizer: torch.optim.Optimizer,
-    loaders: tuple[StageLoader, StageLoader],
-    start: Start,
-    saver: checkpoint.Checkpointer | None,
-    on_step: StepCallback | None,
-    stop: StopSignals | None,
-) -> Summary:
-    """The steps from ``start`` to the run's end, with its checkpoints and evaluations."""
-    loader, val_loader = loaders
-    position, found = start.position, start.checkpoint
+def _metrics_log(config: TrainConfig, pipe: Pipeline) -> MetricsLog:
+    """Rank 0's sinks for the run's metrics, as ``config`` names them."""
+    where = Destinations(
+        jsonl=Path(config.metrics) if config.metrics else None,
+        tensorboard=Path(config.tensorboard) if config.tensorboard else None,
+        wandb=Path(config.wandb) if config.wandb else None,
+    )
+    return MetricsLog(where, asdict(config), writer=pipe.mesh.rank == 0)
+
+
+def _peak_flops(config: TrainConfig, pipe: Pipeline) -> float:
+    """The job's devices' FLOP/s together: this rank's matmul, measured, times the world size."""
+    on_gpu = pipe.device.type == "cuda"
+    dtype = torch.bfloat16 if config.bf16 and on_gpu else torch.float32
+    return matmul_peak(pipe.device, dtype, size=4096 if on_gpu else 512) * pipe.mesh.layout.world_size
+
+
+@dataclass
+class _Run:
+    """What a run's steps use."""
+
+    config: TrainConfig
+    pipe: Pipeline
+    optimizer: torch.optim.Optimizer
+    loader: StageLoader
+    val_loader: StageLoader
+    start: Start
+    saver: checkpoint.Checkpointer | None
+    recorder: Recorder
+
+
+def _trained(run: _Run, on_step: StepCallback | None, stop: StopSignals | None) -> Summary:
+    """The steps from the run's start to its end, with its checkpoints, evaluations and metrics."""
+    config, pipe = run.config, run.pipe
+    position, found = run.start.position, run.start.checkpoint
     model_config = model_of(config.model)
     params = sum(p.numel() for p in model_config.build(device="meta").parameters())  # a tie counts once
     summary = Summary(asdict(config), list(pipe.partition.bounds), params, position.step)
     summary.samples_per_step, summary.tokens_per_sample = config.batch_size, config.tokens_per_sample
-    batches = _batches(loader, position)
+    batches = _batches(run.loader, position)
     end = config.steps if config.stop_after is None else config.stop_after
     for step in range(position.step, end):
         epoch, index, batch = next(batches)
         began = time.perf_counter()
-        loss = _train_step(pipe, optimizer, config, step, batch, traced=step == end - 1)
+        stepped = _train_step(pipe, run.optimizer, config, step, batch, traced=step == end - 1)
         if pipe.skipped:
             summary.skipped.append(step + 1)
         seconds = time.perf_counter() - began
-        summary.losses.append(loss)
+        summary.losses.append(stepped.loss)
         summary.step_seconds.append(seconds)
         done = step + 1
+        run.recorder.step(done, stepped.loss, stepped.grad_norm, learning_rate(config, step), seconds)
         if on_step is not None:
-            on_step(done, loss, seconds)
+            on_step(done, stepped.loss, seconds)
         summary.stopped = stop.agreed(pipe.device) if stop is not None and done < end else None
-        if saver is not None and (summary.stopped or _due(done, end, config.checkpoint_every)):
-            wraps = index + 1 == loader.steps_per_epoch
+        if run.saver is not None and (summary.stopped or _due(done, end, config.checkpoint_every)):
+            wraps = index + 1 == run.loader.steps_per_epoch
             progress = checkpoint.Progress(
                 done, epoch + 1 if wraps else epoch, 0 if wraps else index + 1, batch_size=config.batch_size,
                 seed=config.seed, sample_length=config.tokens_per_sample,
             )  # fmt: skip
-            summary.checkpoint = str(saver.save(optimizer, progress))
+            summary.checkpoint = str(run.saver.save(run.optimizer, progress))
         if summary.stopped:
             break
         if _due(done, end, config.eval_every):
-            summary.evals.append((done, _evaluate(pipe, val_loader, config)))
+            summary.evals.append((done, _evaluated(run, done)))
     if position.step >= end:  # a restart after this job's last save (starting_point): only the evaluation is left
         summary.checkpoint = str(found)
-        summary.evals.append((position.step, _evaluate(pipe, val_loader, config)))
+        summary.evals.append((position.step, _evaluated(run, position.step)))
     return summary
+
+
+def _evaluated(run: _Run, step: int) -> float:
+    loss = _evaluate(run.pipe, run.val_loader, run.config)
+    run.recorder.evaluation(step, loss)
+    return loss

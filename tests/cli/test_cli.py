@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -166,6 +167,7 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
     argv = ["--steps", "12", "--warmup", "2", "--batch-size", "8", "--seq-len", "32", "--eval-every", "6"]
     argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt"), "--checkpoint-every", "6"]
     argv += ["--trace", str(out / "traces" / "step.json")]  # a folder that does not exist yet
+    argv += ["--tensorboard", "--wandb", "--log-every", "4"]
     done = subprocess.run(
         [sys.executable, "-m", "stagewise", "-v", "train", *argv], capture_output=True, text=True, timeout=230,
         check=False,
@@ -173,7 +175,12 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "stagewise.pipeline.pipe: rank 1 holds stages [1]" in done.stderr  # -v reaches the launched processes
     assert "backend gloo" in done.stdout and "pp=2 x dp=1 on 2 processes" in done.stdout
-    assert "train: 100%" in done.stderr  # rank 0's progress bar reaches the terminal
+    # Output to a file, not a terminal: a line every 4 steps, not a progress bar's hundreds of redraws.
+    assert "train:" not in done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == ["step 4/12", "step 8/12", "step 12/12"], lines
+    assert " tok/s, " in lines[0] and lines[0].endswith(" s/step")
+    _check_metrics(out, done.stdout)
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["losses"]) == 12 and summary["losses"][-1] < summary["losses"][0] - 1.0
     assert [step for step, _ in summary["evals"]] == [6, 12]
@@ -186,6 +193,34 @@ def test_train_runs_the_main_job_on_local_processes(tmp_path: Path) -> None:
         # The last training step's actions, as they ran: its backwards too (the evaluation after it runs forwards
         # only and must not overwrite the file).
         assert any(n.endswith("F0") for n in names) and any(n.endswith(f"{rank}B0") for n in names), names
+
+
+def _check_metrics(out: Path, stdout: str) -> None:
+    """metrics.jsonl, TensorBoard's events and the offline W&B run of a 12-step run that evaluated at 6 and 12."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["step"] for r in steps] == list(range(1, 13)) and [r["loss"] for r in steps] == summary["losses"]
+    for record in steps:
+        assert record["grad_norm"] > 0 and record["lr"] > 0 and record["step_seconds"] > 0
+        assert record["per_second"] == pytest.approx(8 * 32 / record["step_seconds"])
+        assert 0 < record["mfu"] < 1
+        assert len(record["peak_memory"]) == 2 and min(record["peak_memory"]) > 50 * 2**20  # each rank's RSS
+    assert [(r["step"], r["eval_loss"]) for r in evals] == [tuple(e) for e in summary["evals"]]
+    assert evals[-1]["perplexity"] == pytest.approx(math.exp(evals[-1]["eval_loss"]))
+    assert f"perplexity {evals[-1]['perplexity']:.2f}" in stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == list(range(1, 13))
+    assert [e.value for e in losses] == pytest.approx(summary["losses"], rel=1e-6)
+    assert [e.step for e in events.Scalars("eval/perplexity")] == [6, 12]
+    assert "train/mfu" in events.Tags()["scalars"]
+    offline = list((out / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(offline) == 1 and b"train/grad_norm" in offline[0].read_bytes()
 
 
 def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -53,15 +53,15 @@ def test_a_resume_of_a_finished_run_is_refused_before_any_process_starts(
 
 
 def _signal_after(process: subprocess.Popen[str], step: int, sig: signal.Signals, group: bool) -> list[str]:
-    """Read the run's stderr (its progress bar); once it shows ``step`` steps done, send ``sig`` to the run (or,
-    as a terminal's Ctrl-C does, to its whole process group). Returns the stderr chunks read."""
-    assert process.stderr is not None
+    """Read the run's output (a line per step: ``--log-every 1``); once it shows ``step`` steps done, send ``sig``
+    to the run (or, as a terminal's Ctrl-C does, to its whole process group). Returns the lines read."""
+    assert process.stdout is not None
     seen: list[str] = []
     sent = False
-    while chunk := process.stderr.read(256):
-        seen.append(chunk)
-        done = [int(n) for n in re.findall(r"\| *(\d+)/60 ", "".join(seen[-8:]))]
-        if not sent and done and max(done) >= step:
+    for line in process.stdout:
+        seen.append(line)
+        done = re.match(r"step (\d+)/60: ", line)
+        if not sent and done and int(done[1]) >= step:
             if group:
                 os.killpg(process.pid, sig)
             else:
@@ -72,23 +72,24 @@ def _signal_after(process: subprocess.Popen[str], step: int, sig: signal.Signals
 
 def _train(cwd: Path, *extra: str, stop: tuple[int, signal.Signals, bool] | None = None) -> tuple[int, str, str]:
     """``python -m stagewise train`` in ``cwd`` (exit status, stdout, stderr), stopped by a signal when asked."""
+    steps = ["--log-every", "1"] if stop else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "stagewise", "train", *FAST, *extra], cwd=cwd, text=True, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, "-m", "stagewise", "train", *FAST, *steps, *extra], cwd=cwd, text=True,
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
-    err: list[str] = []
+    out: list[str] = []
     reader = threading.Thread(
-        target=lambda: err.extend(_signal_after(process, *stop) if stop else [process.stderr.read()])  # type: ignore[union-attr]
+        target=lambda: out.extend(_signal_after(process, *stop) if stop else [process.stdout.read()])  # type: ignore[union-attr]
     )
     reader.start()
     try:
-        out = process.stdout.read()  # type: ignore[union-attr]
+        err = process.stderr.read()  # type: ignore[union-attr]
         process.wait(timeout=120)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         reader.join()
-    return process.returncode, out, "".join(err)
+    return process.returncode, "".join(out), err
 
 
 @pytest.mark.timeout(300)
