@@ -1,4 +1,5 @@
-"""The command line: ``train`` runs the main job, ``plan`` picks its layout, ``partition`` and ``schedule`` inspect."""
+"""The command line: ``train`` runs the main job, ``plan`` picks its layout, ``partition`` and ``schedule`` inspect,
+``tokenize`` prepares data."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from stagewise.cli import partition, plan, schedule, train
+from stagewise.cli import partition, plan, schedule, tokenize, train
 from stagewise.cli.args import LOG_FORMAT, DefaultsFormatter, JobFailedError
 from stagewise.comm import LaunchError
 
@@ -33,13 +34,17 @@ def parser() -> argparse.ArgumentParser:
     plan.add(commands)
     partition.add(commands)
     schedule.add(commands)
+    tokenize.add(commands)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format=LOG_FORMAT)
-    run = {"train": train.run, "plan": plan.run, "partition": partition.run, "schedule": schedule.run}[ns.command]
+    run = {
+        "train": train.run, "plan": plan.run, "partition": partition.run, "schedule": schedule.run,
+        "tokenize": tokenize.run,
+    }[ns.command]  # fmt: skip
     try:
         return run(ns)
     except (ValueError, TypeError, OSError, ImportError) as err:

@@ -22,6 +22,8 @@ from stagewise.models import PRESETS, GPTConfig
 from stagewise.pipeline import Pipeline
 from stagewise.plan.plan_file import read_plan
 from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
+from stagewise.run.data import needs_tokenizing, prepared, tokenizer_of
+from stagewise.run.documents import files
 from stagewise.run.resume import check_resume, fresh_run_refused
 from stagewise.run.runs import LATEST, ROOT, latest_run, new_run
 from stagewise.run.stopping import StopSignals
@@ -31,6 +33,8 @@ from stagewise.schedule import ScheduleName
 DEFAULTS = TrainConfig()
 TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 """The loggers of torch's agent, which the launching process quiets unless asked to be verbose."""
+TOKENS = "tokens"
+"""Where under the runs' root the data a run tokenized is kept, one token file per corpus and tokenizer."""
 METRICS = "metrics.jsonl"
 """The run folder's file of metrics: one JSON line per step and evaluation."""
 IN_RUN_FOLDER = "RUN/checkpoints"
@@ -100,7 +104,18 @@ def add(commands: Any) -> None:
         help="leave weight-gradient accumulation to autograd (default: large linear weights accumulate in backward)",
     )  # fmt: skip
     p.add_argument("--seed", type=args.seed, default=d.seed, help="seed of the weights and the data order")
-    p.add_argument("--data", default=d.data, help="text file or folder (GPT; default: the Python stdlib source)")
+    p.add_argument(
+        "--data", default=d.data,
+        help="a text file or folder, .jsonl or .parquet files, or a token file (stagewise tokenize); default: the "
+        "Python standard library's source, as bytes",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokenizer", default=None,
+        help="a Hugging Face tokenizer's folder, or bytes (default: an hf:DIR model's own, else bytes); data it "
+        "reads is tokenized once into stagewise-run/tokens/",
+    )  # fmt: skip
+    p.add_argument("--data-field", default=d.data_field, help="the field of a JSON line that holds the text")
+    p.add_argument("--data-column", default=d.data_column, help="the column of a Parquet file that holds the text")
     p.add_argument(
         "--data-limit", type=args.size, default=None, metavar="SIZE",
         help="read at most this much of the text, e.g. 64MiB (default: all of --data, 8 MiB of the stdlib source)",
@@ -176,7 +191,12 @@ def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig
     if ns.plan is not None:  # checked field by field; a MODULE:FACTORY only as the command line's --model
         values.update(_planned(read_plan(ns.plan, model=values.get("model")), values))
     model = values.get("model", TrainConfig.model)
-    text = (("--seq-len", ns.seq_len), ("--data", ns.data), ("--data-limit", ns.data_limit))
+    text = (
+        ("--seq-len", ns.seq_len),
+        ("--data", ns.data),
+        ("--data-limit", ns.data_limit),
+        ("--tokenizer", ns.tokenizer),
+    )
     given = [flag for flag, value in text if value is not None]
     if ns.data_limit is not None:
         values["data_limit"] = math.ceil(ns.data_limit)
@@ -408,10 +428,24 @@ def _say_where_nodes_meet() -> None:
     )
 
 
+def _tokenized(config: TrainConfig) -> TrainConfig:
+    """``config`` with its data tokenized where it must be (:func:`~stagewise.run.data.prepared`), with a bar."""
+    if not needs_tokenizing(config) or config.data is None:
+        return prepared(config, ROOT / TOKENS)  # checks the tokenizer against the model
+    from tqdm import tqdm
+
+    total = sum(p.stat().st_size for p in files(Path(config.data)))
+    print(f"stagewise train: tokenizing {config.data} with {tokenizer_of(config)} (once)", flush=True)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not sys.stderr.isatty()) as bar:
+        return prepared(config, ROOT / TOKENS, progress=bar.update)
+
+
 def run(ns: argparse.Namespace) -> int:
     torchrun = _under_torchrun()
     chosen = _chosen_folder(ns, torchrun)
     config = config_of(ns, chosen)
+    if not torchrun:
+        config = _tokenized(config)
     _checked_before_start(ns, config, torchrun)
     out, config = _made_folder(ns, config, chosen)
     if torchrun:

@@ -95,7 +95,16 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
     data: str | None = None
-    """Text file or folder for GPT presets; by default the Python standard library's source."""
+    """What a language model trains on: a text file or folder, JSON lines (:attr:`data_field`), Parquet
+    (:attr:`data_column`), or a token file (``stagewise tokenize``); by default the Python standard library's
+    source, as bytes."""
+    tokenizer: str | None = None
+    """What reads the data: ``bytes``, or a Hugging Face tokenizer's folder; None: an ``hf:DIR`` model's own
+    tokenizer, else bytes (see :mod:`stagewise.run.data`)."""
+    data_field: str = "text"
+    """The field of a JSON lines file that holds each document's text."""
+    data_column: str = "text"
+    """The column of a Parquet file that holds each document's text."""
     data_limit: int | None = None
     """Bytes of the text read at most; None: all of ``data``, or 8 MiB of the standard library's source."""
     eval_every: int = 100

@@ -27,7 +27,6 @@ from stagewise.models import (
     pattern_images,
     teacher_regression,
 )
-from stagewise.models.text import text_splits
 from stagewise.partition import Layer, Partition, balance, balance_costs, layers_of, profile, shared_parameters
 from stagewise.pipeline import (
     Batch,
@@ -43,6 +42,7 @@ from stagewise.pipeline import (
 )
 from stagewise.pipeline.config import checked_schedule
 from stagewise.run.config import TrainConfig
+from stagewise.run.data import language_splits
 from stagewise.run.metrics import Destinations, MetricsLog, Recorder, matmul_peak
 from stagewise.run.objective import objective
 from stagewise.run.resume import Start, release, starting_point
@@ -92,8 +92,7 @@ def _datasets(config: TrainConfig, model: ModelConfig | UserModel) -> tuple[Data
     if isinstance(model, (GPTConfig, UserModel)):
         if isinstance(model, GPTConfig) and config.seq_len > model.seq_len:
             raise ValueError(f"seq_len={config.seq_len} exceeds {config.model}'s longest sequence, {model.seq_len}")
-        splits = text_splits(config.data, config.seq_len, limit=config.data_limit)
-        return splits.train, splits.val
+        return language_splits(config)
     n = 64 * config.batch_size
     if isinstance(model, MLPConfig):
         return teacher_regression(model, n, seed=1), teacher_regression(model, n // 8, seed=2)

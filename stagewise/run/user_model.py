@@ -83,13 +83,18 @@ class UserModel:
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and seq_len > limit:
             raise ValueError(f"seq_len={seq_len} exceeds {self.name}'s longest sequence, {limit}")
-        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-        if isinstance(vocab, int) and vocab < 256:
-            raise ValueError(
-                f"{self.name} has a vocabulary of {vocab} tokens, but the run's text is bytes (256 tokens); give the "
-                "model a vocab_size of at least 256"
-            )
         return capture(model, self.example(batch, seq_len))
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The tokens the model embeds: its config's ``vocab_size``, else its first embedding's rows; None where
+        neither says."""
+        model = self.build(device="meta")
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int):
+            return vocab
+        table = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        return table.num_embeddings if table is not None else None
 
     @staticmethod
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

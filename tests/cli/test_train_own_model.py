@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from support.corpus import bpe_folder, texts, write_json_lines
 from support.hf import batch
 
 from stagewise import checkpoint
@@ -34,7 +36,18 @@ def test_a_saved_gpt2_is_planned_trains_from_its_weights_and_its_checkpoint_expo
         main(["plan", *model_flag, "--gpus", "2", "--global-batch", "8", "--seq-len", "32", "--json", str(plan)]) == 0
     )
     assert json.loads(plan.read_text())["model"] == f"hf:{tmp_path / 'gpt2'}"
-    argv = [*model_flag, "--plan", str(plan), "--steps", "30", "--eval-every", "0"]
+    # The folder has no tokenizer of its own: its 256 ids are bytes, said so.
+    argv = [
+        *model_flag,
+        "--tokenizer",
+        "bytes",
+        "--plan",
+        str(plan),
+        "--steps",
+        "30",
+        "--eval-every",
+        "0",
+    ]  # no tokenizer of its own
     argv += ["--out", str(out), "--checkpoint-dir", str(out / "ckpt")]
     done = subprocess.run(
         [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=200, check=False
@@ -78,3 +91,31 @@ def test_a_folder_whose_config_names_code_of_its_own_is_refused_without_running_
     with pytest.raises(ValueError, match="which stagewise never runs"):
         TrainConfig(model=f"hf:{tmp_path}")
     assert not marker.exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_folder_with_its_own_8k_tokenizer_trains_on_json_lines_and_reports_its_metrics(tmp_path: Path) -> None:
+    # The folder's tokenizer was ignored: its 1,000-token model trained on byte values used as token ids.
+    documents = texts(60)
+    folder = bpe_folder(tmp_path / "llama", documents, 8192)
+    corpus = write_json_lines(tmp_path / "docs.jsonl", documents)
+    argv = ["--model", f"hf:{folder}", "--data", str(corpus), "--steps", "30", "--warmup", "3", "--batch-size", "8"]
+    argv += ["--seq-len", "64", "--eval-every", "15", "--lr", "3e-3", "--tensorboard", "--out", str(tmp_path / "run")]
+    done = subprocess.run(
+        [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=230,
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tokenizing {corpus} with {folder} (once)" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 30 and losses[0] == pytest.approx(math.log(8192), abs=0.3)  # a uniform guess at first
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.5  # and it learns the tokenized text
+    assert [r["step"] for r in records if "perplexity" in r] == [15, 30]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+    tokens = list((tmp_path / "stagewise-run" / "tokens").iterdir())
+    assert len(tokens) == 1 and json.loads((tokens[0] / "meta.json").read_text())["vocab_size"] == 8192

@@ -1,0 +1,51 @@
+"""``stagewise tokenize``: a corpus into a token file that training maps from disk, with a progress bar."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from stagewise.cli import args
+from stagewise.run.documents import Fields, files
+from stagewise.run.token_file import write_token_file
+from stagewise.run.tokenizer import BYTES, load_tokenizer
+
+
+def add(commands: Any) -> None:
+    p = commands.add_parser(
+        "tokenize",
+        help="tokenize a corpus into a token file for train --data",
+        description="Tokenize text files or folders, JSON lines (a field) or Parquet (a column) into a token file: "
+        "each document's ids and an end-of-text token, uint16 or uint32 by vocabulary size, with the bounds of "
+        "its documents; train --data maps it from disk.",
+    )
+    p.add_argument("--data", required=True, help="a text file or folder, .jsonl or .parquet files")
+    p.add_argument("--tokenizer", default=BYTES, help="a Hugging Face tokenizer's folder, or bytes")
+    p.add_argument("--out", type=Path, required=True, help="the token file's folder")
+    p.add_argument("--data-field", default="text", help="the field of a JSON line that holds the text")
+    p.add_argument("--data-column", default="text", help="the column of a Parquet file that holds the text")
+    p.add_argument(
+        "--workers", type=args.positive_int, default=min(4, os.cpu_count() or 1),
+        help="processes that tokenize in parallel, in order",
+    )  # fmt: skip
+
+
+def run(ns: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    tokenizer = load_tokenizer(ns.tokenizer)
+    total = sum(p.stat().st_size for p in files(Path(ns.data)))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="tokenize", disable=not sys.stderr.isatty()) as bar:
+        meta = write_token_file(
+            ns.data, tokenizer, ns.out, fields=Fields(ns.data_field, ns.data_column), workers=ns.workers,
+            progress=bar.update,
+        )  # fmt: skip
+    print(
+        f"wrote {ns.out}: {meta.tokens} tokens ({meta.dtype}) in {meta.documents} documents, vocabulary "
+        f"{meta.vocab_size}, end-of-text {meta.eos_id}, tokenizer {meta.tokenizer}",
+        flush=True,
+    )
+    return 0

@@ -1,0 +1,64 @@
+"""A token file as training samples: consecutive windows of packed documents, the last part held out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from stagewise.run.token_file import TokenFile
+
+
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i`` is ``seq_len`` tokens from ``tokens`` (documents joined by their end-of-text token, so a
+    window packs whole and cut documents) and the same shifted by one; int64, read from the map when asked."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if len(tokens) < seq_len + 1:
+            raise ValueError(
+                f"{len(tokens)} tokens are too few for one sequence of {seq_len}; use more data or a shorter sequence"
+            )
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:  # also what ends a plain for loop over the dataset
+            raise IndexError(f"sample {index} of {n} sequences")
+        start = index * self.seq_len
+        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        return window[:-1], window[1:]
+
+
+@dataclass(frozen=True)
+class TokenSplits:
+    """A token file cut into training and validation windows."""
+
+    train: TokenWindows
+    val: TokenWindows
+    vocab_size: int
+    """The tokenizer's vocabulary, which the model must embed."""
+
+
+def token_splits(folder: str, seq_len: int, *, val_fraction: float = 0.05) -> TokenSplits:
+    """The token file ``folder``, its last ``val_fraction`` of tokens held out for validation."""
+    file = TokenFile(folder)
+    tokens = file.tokens
+    cut = int(len(tokens) * (1 - val_fraction))
+    if len(tokens) - cut < seq_len + 1:
+        need = math.ceil((seq_len + 1) / val_fraction)
+        raise ValueError(
+            f"the validation split (the last {val_fraction:.0%} of {folder}, {len(tokens) - cut} tokens) is too short "
+            f"for one sequence of {seq_len} tokens; use more data (about {need} tokens) or a shorter sequence"
+        )
+    return TokenSplits(TokenWindows(tokens[:cut], seq_len), TokenWindows(tokens[cut:], seq_len), file.meta.vocab_size)
