@@ -28,7 +28,7 @@ from stagewise.run import TrainConfig, train
 TIMEOUT = 12.0
 """Every rank's bound on a wait (``train --timeout``) where a stopped peer is to be noticed after it: long enough
 for a step of 4 processes on 2 busy cores, short enough for the suite."""
-KILL_TIMEOUT = 60.0
+KILL_TIMEOUT = 30.0
 """The bound where a rank is killed: its peers learn of it at once, from the agent, not by a timeout."""
 BASE = TrainConfig(
     model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,

@@ -31,6 +31,22 @@ def test_resume_continues_bitwise_exactly(runs: Runs) -> None:
     assert runs.whole[-1] < runs.whole[0]
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_stopped_and_resumed_twice_mid_epoch_the_losses_are_an_uninterrupted_runs(dp: int, tmp_path: Path) -> None:
+    # The data position (epoch, batch, the order's seed) and every rank's generator are in the checkpoint: each
+    # replica takes its own share of the very next global batches, bit for bit, whatever the stops.
+    config = dataclasses.replace(BASE, dp=dp, steps=7, microbatches=2)
+    whole = launch_run(dataclasses.replace(config, checkpoint_dir=str(tmp_path / "whole")))
+    parts = [
+        launch_run(
+            dataclasses.replace(config, checkpoint_dir=str(tmp_path / "parts"), stop_after=stop, resume=stop > 2)
+        )
+        for stop in (2, 5, 7)
+    ]
+    assert [len(p) for p in parts] == [2, 3, 2]
+    assert parts[0] + parts[1] + parts[2] == whole
+
+
 def resume_refusals(root: str) -> dict[str, str]:
     """Save a 1-step run, then start runs into its folder that would not continue it; each one's refusal."""
     torch.set_num_threads(1)

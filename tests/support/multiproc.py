@@ -15,7 +15,7 @@ session of its own, with this process's environment of the moment), and the
 ranks are forked from the runner (``start_method="fork"``) unless a test asks
 for another method. Every runner serves one job only and the zygote runs
 none, so no state passes between tests. A job whose ranks gloo fails to
-connect (:data:`GLOO_SETUP_FLAKE`) is launched once more, and says so in its
+connect (:data:`GLOO_SETUP_FLAKES`) is launched once more, and says so in its
 output.
 """
 
@@ -150,10 +150,12 @@ def run_ranks(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 
         return finish(runner, Path(tmp), timeout)
 
 
-GLOO_SETUP_FLAKE = "Gloo connectFullMesh failed"
-"""gloo's connection of a new group's ranks to each other fails now and then on the development machine ("Connection
-closed by peer" while both ranks are alive): twice on 2026-12-03, in tests that pass alone every time. A job that
-fails so is launched once more; a second failure stands."""
+GLOO_SETUP_FLAKES = ("Gloo connectFullMesh failed", "keys: /stagewise/attempt_0/0//cpu//")
+"""gloo's setup of the default group fails now and then on the development machine, in tests that pass alone every
+time: the connection of its ranks to each other ("Connection closed by peer" while both ranks are alive: twice on
+2026-12-03), or one rank that never publishes its address while the others wait for it in the store (once in a
+4-process job of the fault matrix, with the two pytest workers' jobs sharing 2 cores). A job that fails so is
+launched once more; a second failure stands."""
 
 
 def _run(job: Path) -> None:
@@ -174,7 +176,7 @@ def _run(job: Path) -> None:
             outcome: tuple[bool, Any] = (True, launch(fn, nprocs, *args, **options))
         except LaunchError as err:
             outcome = (False, err)
-            if attempt == 1 and GLOO_SETUP_FLAKE in str(err):
+            if attempt == 1 and any(flake in str(err) for flake in GLOO_SETUP_FLAKES):
                 print(f"runner: {qualname}: gloo could not connect the ranks; launching it once more", flush=True)
                 continue
         break
