@@ -198,7 +198,11 @@ def test_a_save_onto_a_full_disk_names_the_cause_and_keeps_the_previous_checkpoi
         assert "CheckpointError: saving the checkpoint" in message and "step-00000004 failed: " in message, message
         # Where the disk fills decides the writer's words ("No space left on device", or torch's serializer's
         # "unexpected pos"): the room left there says why.
-        assert re.search(r"\(\d+(\.\d+)? (B|KiB) free there\); the previous checkpoint stays the latest$", message)
+        room = re.search(
+            r"\((\d+(?:\.\d+)?) (B|KiB|MiB) free there\); the previous checkpoint stays the latest$", message
+        )
+        assert room is not None, message
+        assert float(room[1]) * {"B": 1, "KiB": 2**10, "MiB": 2**20}[room[2]] < 2**20, message  # a full disk
         assert sorted(p.name for p in disk.iterdir() if p.name.startswith("step-")) == ["step-00000002"]
         assert checkpoint.verify(disk / "step-00000002", checksums=True) is None
     finally:

@@ -130,10 +130,10 @@ def _space(root: Path) -> str:
 def _failed(target: _Target, problem: str, device: torch.device, group: dist.ProcessGroup | None) -> None:
     """Every rank learns whether any failed; then rank 0 removes the partial folder and every rank raises, the
     one that failed with its reason."""
+    if problem:  # now: once the partial folder goes, the room it took is free again
+        problem += _space(target.root)
     if _agreed(problem, device, group):
         return
-    if problem:
-        problem += _space(target.root)
     if _rank(group) == 0:
         shutil.rmtree(target.partial, ignore_errors=True)
     kept = "the previous checkpoint stays the latest"
