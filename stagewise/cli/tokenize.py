@@ -1,4 +1,4 @@
-"""``stagewise tokenize``: a corpus into a token file that training maps from disk, with a progress bar."""
+"""``stagewise tokenize``: a corpus into a token file that training reads a window at a time, with a progress bar."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def add(commands: Any) -> None:
         help="tokenize a corpus into a token file for train --data",
         description="Tokenize text files or folders, JSON lines (a field) or Parquet (a column) into a token file: "
         "each document's ids and an end-of-text token, uint16 or uint32 by vocabulary size, with the bounds of "
-        "its documents; train --data maps it from disk.",
+        "its documents; train --data reads it a window at a time.",
     )
     p.add_argument("--data", required=True, help="a text file or folder, .jsonl or .parquet files")
     p.add_argument("--tokenizer", default=BYTES, help="a Hugging Face tokenizer's folder, or bytes")

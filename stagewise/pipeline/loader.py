@@ -1,4 +1,4 @@
-"""Each rank's batches: a DistributedSampler over the replicas, inputs on the first stage, targets on the last."""
+"""Each rank's batches: its replica's share of each epoch's order, inputs on the first stage, targets on the last."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, default_collate
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from stagewise.comm import Payload
 
@@ -46,20 +46,51 @@ class _Fields(Dataset[tuple[Any, ...]]):
         return tuple(sample[c] for c in self.columns)
 
 
-class _Resumable(Sampler[int]):
-    """A sampler's order from sample ``skip`` on: resuming in the middle of an epoch."""
+class ShardOrder(Sampler[int]):
+    """The samples one replica takes in an epoch, in order, from sample :attr:`skip` on.
 
-    def __init__(self, inner: DistributedSampler[Any]) -> None:
-        self.inner = inner
+    The order is torch's ``DistributedSampler``'s with ``drop_last`` (the
+    permutation drawn from ``seed + epoch``, or the dataset's order, cut to a
+    multiple of the replicas and dealt out in turn), so the same seed gives the
+    same batches. It is held as one int64 tensor and handed out a chunk at a
+    time: ``DistributedSampler`` builds Python lists of every index, about
+    100 bytes a sample (1.4 GiB of resident memory for the 8 million windows of
+    a 2 GiB token file). Resuming at :attr:`skip` starts there at once.
+    """
+
+    CHUNK = 4096
+
+    def __init__(self, size: int, replicas: int, replica: int, *, shuffle: bool, seed: int) -> None:
+        self.size = size
+        self.replicas = replicas
+        self.replica = replica
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
         self.skip = 0
+        """Samples of the epoch to leave out at its start (a resume in the middle of an epoch)."""
+        self.per_replica = size // replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> torch.Tensor:
+        """This replica's samples of the epoch, all of them, as indices into the dataset."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            every = torch.randperm(self.size, generator=generator)
+        else:
+            every = torch.arange(self.size)
+        return every[self.replica : self.per_replica * self.replicas : self.replicas]
 
     def __iter__(self) -> Iterator[int]:
-        for position, index in enumerate(self.inner):
-            if position >= self.skip:
-                yield index
+        mine = self.order()
+        for start in range(self.skip, len(mine), self.CHUNK):
+            yield from mine[start : start + self.CHUNK].tolist()
 
     def __len__(self) -> int:
-        return len(self.inner) - self.skip
+        return self.per_replica - self.skip
 
 
 def _collate(samples: list[tuple[Any, ...]]) -> tuple[Payload, ...]:
@@ -130,11 +161,14 @@ class StageLoader:
                 f"use a global batch of at least {dp * n_microbatches} or fewer micro-batches"
             )
         self.local_batch_size = local
-        self.sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=dp, rank=replica, shuffle=options.shuffle, seed=options.seed, drop_last=True
+        self.sampler = ShardOrder(
+            len(dataset),  # type: ignore[arg-type]
+            dp,
+            replica,
+            shuffle=options.shuffle,
+            seed=options.seed,
         )
         self.steps_per_epoch = len(self.sampler) // local
-        self.resumable = _Resumable(self.sampler)
         self.start = 0
         """The batch of the epoch that iteration starts from."""
         if self.steps_per_epoch == 0:
@@ -149,7 +183,7 @@ class StageLoader:
             self.loader = DataLoader(
                 _Fields(dataset, self.fields),
                 batch_size=local,
-                sampler=self.resumable,
+                sampler=self.sampler,
                 drop_last=True,
                 num_workers=options.num_workers,
                 pin_memory=torch.cuda.is_available() if options.pin_memory is None else options.pin_memory,
@@ -180,7 +214,7 @@ class StageLoader:
             raise ValueError(f"start must be in 0..{self.steps_per_epoch} (batches per epoch), got {start}")
         self.sampler.set_epoch(epoch)
         self.start = start
-        self.resumable.skip = start * self.local_batch_size
+        self.sampler.skip = start * self.local_batch_size
 
     def __len__(self) -> int:
         """Batches left in this epoch: all of them unless :meth:`set_epoch` set a later start."""

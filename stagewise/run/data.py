@@ -2,7 +2,7 @@
 
 Text files and folders read with the byte tokenizer (the presets' default)
 are read as bytes, as they are. Anything else is tokenized once, before the
-ranks start, into a token file that every rank maps (kept under
+ranks start, into a token file that every rank reads a window at a time (kept under
 ``stagewise-run/tokens/``, one per corpus, tokenizer and fields):
 JSON lines and Parquet files, and any text read with a Hugging Face
 tokenizer. A token file given as ``--data`` is used as it is. An ``hf:DIR``

@@ -1,15 +1,16 @@
-"""Token files: a corpus tokenized once into ids that a run maps from disk, with the bounds of its documents.
+"""Token files: a corpus tokenized once into ids that a run reads a window at a time, with its documents' bounds.
 
 A token file is a folder: ``tokens.bin`` holds every document's ids followed
 by the tokenizer's end-of-text token, as uint16 where the vocabulary fits and
 uint32 otherwise; ``documents.bin`` the offset of each document's first token
 and, last, the number of tokens (uint64); ``meta.json`` the dtype, the counts,
 the vocabulary size, the end-of-text token and the tokenizer. It is written
-into ``NAME.partial`` and renamed when complete, and read by memory map.
+into ``NAME.partial`` and renamed when complete, and read a window at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -17,6 +18,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +54,13 @@ def is_token_file(path: str | Path) -> bool:
 
 
 class TokenFile:
-    """A token file, mapped: :attr:`tokens` and the document :attr:`starts`, neither read into memory."""
+    """A token file, read where asked: :meth:`read` a run of tokens, :meth:`document` one document.
+
+    Tokens are read with ``pread``, not mapped: training reads short windows at
+    random, and each fault in a mapping brings the kernel's whole page-cache
+    folio around it into the process's resident memory (2 MiB a window here: 1.1
+    GiB after 50 steps on a 2 GiB file). The document bounds are mapped.
+    """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
@@ -63,17 +71,40 @@ class TokenFile:
             raise ValueError(f"{self.folder} is not a token file ({type(err).__name__}: {err})") from err
         if self.meta.format != FORMAT or self.meta.dtype not in ("uint16", "uint32"):
             raise ValueError(f"{self.folder}: token file format {self.meta.format} / {self.meta.dtype} is not known")
-        self.tokens: np.ndarray = np.memmap(self.folder / TOKENS, dtype=self.meta.dtype, mode="r")
+        self.dtype = np.dtype(self.meta.dtype)
+        self._fd = os.open(self.folder / TOKENS, os.O_RDONLY)
+        held = os.fstat(self._fd).st_size // self.dtype.itemsize
         self.starts: np.ndarray = np.memmap(self.folder / INDEX, dtype=np.uint64, mode="r")
-        if len(self.tokens) != self.meta.tokens or len(self.starts) != self.meta.documents + 1:
+        if held != self.meta.tokens or len(self.starts) != self.meta.documents + 1:
+            os.close(self._fd)
             raise ValueError(
-                f"{self.folder} holds {len(self.tokens)} tokens and {len(self.starts) - 1} documents, but its "
+                f"{self.folder} holds {held} tokens and {len(self.starts) - 1} documents, but its "
                 f"meta.json says {self.meta.tokens} and {self.meta.documents}: it is truncated; tokenize again"
             )
 
+    def __len__(self) -> int:
+        """Tokens in the file."""
+        return self.meta.tokens
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens ``start`` to ``start + count`` (fewer at the end of the file)."""
+        size = self.dtype.itemsize
+        return np.frombuffer(os.pread(self._fd, count * size, start * size), dtype=self.dtype)
+
     def document(self, index: int) -> np.ndarray:
         """The ids of document ``index``, its end-of-text token included."""
-        return np.asarray(self.tokens[int(self.starts[index]) : int(self.starts[index + 1])])
+        start, stop = int(self.starts[index]), int(self.starts[index + 1])
+        return self.read(start, stop - start)
+
+    def __getstate__(self) -> dict[str, Any]:  # a data-loading worker opens the file for itself
+        return {"folder": self.folder}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["folder"])  # type: ignore[misc]
+
+    def __del__(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            os.close(self._fd)
 
 
 _WORKER: list[Tokenizer] = []

@@ -13,21 +13,24 @@ from stagewise.run.token_file import TokenFile
 
 
 class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Sample ``i`` is ``seq_len`` tokens from ``tokens`` (documents joined by their end-of-text token, so a
-    window packs whole and cut documents) and the same shifted by one; int64, read from the map when asked."""
+    """Sample ``i`` is ``seq_len`` tokens of ``source`` from token ``first`` on (documents joined by their
+    end-of-text token, so a window packs whole and cut documents) and the same shifted by one: int64, read from
+    the file when asked."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, source: TokenFile, seq_len: int, *, first: int = 0, count: int | None = None) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-        if len(tokens) < seq_len + 1:
+        self.source = source
+        self.first = first
+        self.count = len(source) - first if count is None else count
+        if self.count < seq_len + 1:
             raise ValueError(
-                f"{len(tokens)} tokens are too few for one sequence of {seq_len}; use more data or a shorter sequence"
+                f"{self.count} tokens are too few for one sequence of {seq_len}; use more data or a shorter sequence"
             )
-        self.tokens = tokens
         self.seq_len = seq_len
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.seq_len
+        return (self.count - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(self)
@@ -35,8 +38,8 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             index += n
         if not 0 <= index < n:  # also what ends a plain for loop over the dataset
             raise IndexError(f"sample {index} of {n} sequences")
-        start = index * self.seq_len
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
+        ids = self.source.read(self.first + index * self.seq_len, self.seq_len + 1)
+        window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
 
@@ -53,12 +56,13 @@ class TokenSplits:
 def token_splits(folder: str, seq_len: int, *, val_fraction: float = 0.05) -> TokenSplits:
     """The token file ``folder``, its last ``val_fraction`` of tokens held out for validation."""
     file = TokenFile(folder)
-    tokens = file.tokens
-    cut = int(len(tokens) * (1 - val_fraction))
-    if len(tokens) - cut < seq_len + 1:
+    total = len(file)
+    cut = int(total * (1 - val_fraction))
+    if total - cut < seq_len + 1:
         need = math.ceil((seq_len + 1) / val_fraction)
         raise ValueError(
-            f"the validation split (the last {val_fraction:.0%} of {folder}, {len(tokens) - cut} tokens) is too short "
+            f"the validation split (the last {val_fraction:.0%} of {folder}, {total - cut} tokens) is too short "
             f"for one sequence of {seq_len} tokens; use more data (about {need} tokens) or a shorter sequence"
         )
-    return TokenSplits(TokenWindows(tokens[:cut], seq_len), TokenWindows(tokens[cut:], seq_len), file.meta.vocab_size)
+    train = TokenWindows(file, seq_len, count=cut)
+    return TokenSplits(train, TokenWindows(file, seq_len, first=cut), file.meta.vocab_size)

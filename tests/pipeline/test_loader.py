@@ -6,9 +6,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import Dataset
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import Dataset, DistributedSampler
 
 from stagewise.pipeline import LoaderOptions, StageLoader
+from stagewise.pipeline.loader import ShardOrder
 
 
 class Numbered(Dataset[tuple[Any, torch.Tensor]]):
@@ -104,3 +107,30 @@ def test_a_sample_that_is_not_a_pair_is_refused() -> None:
 
     with pytest.raises(TypeError, match=r"sample \d+ of the dataset is a Tensor, not an \(inputs, targets\) pair"):
         next(iter(loader(Bare(), 0, first=True, last=False)))
+
+
+@settings(max_examples=60)
+@given(
+    size=st.integers(1, 300),
+    replicas=st.integers(1, 5),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 3),
+    shuffle=st.booleans(),
+    skip=st.integers(0, 40),
+    data=st.data(),
+)
+def test_a_replicas_order_is_torchs_distributed_samplers(
+    size: int, replicas: int, seed: int, epoch: int, shuffle: bool, skip: int, data: st.DataObject
+) -> None:
+    # The same batches as before for the same seed: DistributedSampler's order, without its lists of every index.
+    replica = data.draw(st.integers(0, replicas - 1))
+    dataset = list(range(size))
+    torchs = DistributedSampler(
+        dataset, num_replicas=replicas, rank=replica, shuffle=shuffle, seed=seed, drop_last=True
+    )
+    torchs.set_epoch(epoch)
+    ours = ShardOrder(size, replicas, replica, shuffle=shuffle, seed=seed)
+    ours.set_epoch(epoch)
+    ours.skip = min(skip, len(torchs))
+    assert list(ours) == list(torchs)[ours.skip :]
+    assert len(ours) == len(torchs) - ours.skip

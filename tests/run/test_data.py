@@ -46,17 +46,19 @@ def test_a_token_file_holds_each_document_and_its_end_of_text_and_is_mapped(tmp_
     meta = write_token_file(corpus, ByteTokenizer(), tmp_path / "tokens")
     file = TokenFile(tmp_path / "tokens")
     assert (meta.dtype, meta.documents, meta.eos_id, meta.vocab_size) == ("uint16", 4, 0, 256)
-    assert isinstance(file.tokens, np.memmap) and file.meta == meta
+    assert file.meta == meta and len(file) == meta.tokens
     for index, text in enumerate(DOCUMENTS):
         ids = file.document(index)
         assert bytes(ids[:-1].tolist()).decode() == text and ids[-1] == 0
     assert meta.tokens == sum(len(t.encode()) + 1 for t in DOCUMENTS)
     assert not (tmp_path / "tokens.partial").exists()
     assert dtype_for(50304) == np.uint16 and dtype_for(65537) == np.uint32  # by the vocabulary's size
-    windows = TokenWindows(file.tokens, 8)
+    windows = TokenWindows(file, 8)
     inputs, targets = windows[1]
     assert inputs.dtype == torch.int64 and torch.equal(inputs[1:], targets[:-1])
-    assert inputs.tolist() == np.asarray(file.tokens[8:16]).tolist()
+    assert inputs.tolist() == file.read(8, 8).tolist() and len(windows) == (meta.tokens - 1) // 8
+    later = TokenWindows(file, 8, first=3, count=20)
+    assert len(later) == 2 and later[1][0].tolist() == file.read(11, 8).tolist()
     (tmp_path / "tokens" / "tokens.bin").write_bytes(b"\0\0")
     with pytest.raises(ValueError, match=r"holds 1 tokens and 4 documents, but its meta.json says 50 and 4"):
         TokenFile(tmp_path / "tokens")
@@ -74,7 +76,7 @@ def test_parallel_tokenizing_writes_what_one_process_writes(tmp_path: Path) -> N
     assert "documents, vocabulary 1000, end-of-text 0" in out.stdout
     one, four = TokenFile(tmp_path / "one"), TokenFile(tmp_path / "four")
     assert one.meta == four.meta and one.meta.documents == 12
-    assert np.array_equal(one.tokens, four.tokens) and np.array_equal(one.starts, four.starts)
+    assert np.array_equal(one.read(0, len(one)), four.read(0, len(four))) and np.array_equal(one.starts, four.starts)
     assert tokenizer.decode(one.document(3)[:-1].tolist()) == texts(12)[3]
 
 
