@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
@@ -52,7 +53,7 @@ class ShardOrder(Sampler[int]):
     The order is torch's ``DistributedSampler``'s with ``drop_last`` (the
     permutation drawn from ``seed + epoch``, or the dataset's order, cut to a
     multiple of the replicas and dealt out in turn), so the same seed gives the
-    same batches. It is held as one int64 tensor and handed out a chunk at a
+    same batches. It is held as one int64 array and handed out a chunk at a
     time: ``DistributedSampler`` builds Python lists of every index, about
     100 bytes a sample (1.4 GiB of resident memory for the 8 million windows of
     a 2 GiB token file). Resuming at :attr:`skip` starts there at once.
@@ -74,14 +75,15 @@ class ShardOrder(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def order(self) -> torch.Tensor:
-        """This replica's samples of the epoch, all of them, as indices into the dataset."""
+    def order(self) -> np.ndarray:
+        """This replica's samples of the epoch, all of them, as indices into the dataset: host memory of its own
+        (numpy's), apart from the tensors training holds."""
         if self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
-            every = torch.randperm(self.size, generator=generator)
+            every: np.ndarray = torch.randperm(self.size, generator=generator).numpy().copy()
         else:
-            every = torch.arange(self.size)
+            every = np.arange(self.size)
         return every[self.replica : self.per_replica * self.replicas : self.replicas]
 
     def __iter__(self) -> Iterator[int]:
