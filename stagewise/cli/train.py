@@ -16,10 +16,10 @@ import torch
 from stagewise import checkpoint
 from stagewise.cli import args
 from stagewise.cli.args import JobFailedError
+from stagewise.cli.progress import Progress
 from stagewise.cli.run_report import report
 from stagewise.comm import LaunchError, Layout, launch
 from stagewise.models import PRESETS, GPTConfig
-from stagewise.pipeline import Pipeline
 from stagewise.plan.plan_file import read_plan
 from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
 from stagewise.run.data import needs_tokenizing, prepared, tokenizer_of
@@ -239,46 +239,12 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
 
 
-class _Progress:
-    """What rank 0 shows as the run goes: a progress bar on a terminal; in a log file (SLURM's, CI's), where a
-    bar's redraws would pile up, one line every ``config.log_every`` steps."""
-
-    def __init__(self, config: TrainConfig) -> None:
-        self.config = config
-        self.bar: Any = None
-        self.unit = "tok/s" if config.tokens_per_sample > 1 else "samples/s"
-
-    def started(self, pipe: Pipeline) -> None:
-        print(pipe.mesh.describe(), flush=True)
-        print(f"partition {list(pipe.partition.bounds)}, schedule {pipe.schedule.name}", flush=True)
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=self.config.steps, desc="train", unit="step", dynamic_ncols=True)
-
-    def stepped(self, step: int, loss: float, seconds: float) -> None:
-        rate = self.config.batch_size * self.config.tokens_per_sample / max(seconds, 1e-9)
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)  # a resumed run starts at its step
-            self.bar.set_postfix(
-                loss=f"{loss:.3f}", **{self.unit.replace("/", "_"): f"{rate:.0f}"}, step_s=f"{seconds:.2f}"
-            )
-        elif step % self.config.log_every == 0 or step == self.config.steps:
-            print(
-                f"step {step}/{self.config.steps}: loss {loss:.3f}, {rate:.0f} {self.unit}, {seconds:.2f} s/step",
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
-    """One rank's part of ``train``: rank 0 shows the layout and the progress (:class:`_Progress`); ``verbose``
-    logs debug messages (a launched process configures its logging anew)."""
+    """One rank's part of ``train``: rank 0 shows the layout and the progress
+    (:class:`~stagewise.cli.progress.Progress`); ``verbose`` logs debug messages (a launched process configures its
+    logging anew)."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=args.LOG_FORMAT)
-    shown = _Progress(config) if int(os.environ.get("RANK", "0")) == 0 else None
+    shown = Progress(config) if int(os.environ.get("RANK", "0")) == 0 else None
     try:
         with StopSignals() as stop:
             summary = train(
