@@ -122,6 +122,16 @@ def _check_text(head: bytes, root: Path) -> None:
         )
 
 
+def window_index(index: int, count: int, of: str = "") -> int:
+    """``index`` of one of ``count`` windows, counted from the end when negative; an IndexError past them (what
+    ends a plain for loop over a dataset of windows)."""
+    if index < 0:
+        index += count
+    if not 0 <= index < count:
+        raise IndexError(f"sample {index} of {of}{count} sequences")
+    return index
+
+
 class ByteText(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Consecutive windows of a byte string: sample ``i`` is ``seq_len`` bytes and the same bytes shifted by one.
 
@@ -143,12 +153,7 @@ class ByteText(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (len(self.data) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:  # also what ends a plain for loop over the dataset
-            raise IndexError(f"sample {index} of a text of {n} sequences")
-        start = index * self.seq_len
+        start = window_index(index, len(self), "a text of ") * self.seq_len
         window = self.data[start : start + self.seq_len + 1].long()
         return window[:-1], window[1:]
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from stagewise.models.text import window_index
 from stagewise.run.token_file import TokenFile
 
 
@@ -33,12 +34,8 @@ class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return (self.count - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:  # also what ends a plain for loop over the dataset
-            raise IndexError(f"sample {index} of {n} sequences")
-        ids = self.source.read(self.first + index * self.seq_len, self.seq_len + 1)
+        start = self.first + window_index(index, len(self)) * self.seq_len
+        ids = self.source.read(start, self.seq_len + 1)
         window = torch.from_numpy(ids.astype(np.int64))
         return window[:-1], window[1:]
 
