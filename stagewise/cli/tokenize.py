@@ -18,15 +18,16 @@ def add(commands: Any) -> None:
     p = commands.add_parser(
         "tokenize",
         help="tokenize a corpus into a token file for train --data",
-        description="Tokenize text files or folders, JSON lines (a field) or Parquet (a column) into a token file: "
+        description="Tokenize text files or folders, JSON lines (a field), Parquet or CSV (a column), or a folder "
+        "Hugging Face datasets saved with save_to_disk (a column; a DatasetDict's train split) into a token file: "
         "each document's ids and an end-of-text token, uint16 or uint32 by vocabulary size, with the bounds of "
         "its documents; train --data reads it a window at a time.",
     )
-    p.add_argument("--data", required=True, help="a text file or folder, .jsonl or .parquet files")
+    p.add_argument("--data", required=True, help="text files or folders, .jsonl, .parquet, .csv, a saved dataset")
     p.add_argument("--tokenizer", default=BYTES, help="a Hugging Face tokenizer's folder, or bytes")
     p.add_argument("--out", type=Path, required=True, help="the token file's folder")
     p.add_argument("--data-field", default="text", help="the field of a JSON line that holds the text")
-    p.add_argument("--data-column", default="text", help="the column of a Parquet file that holds the text")
+    p.add_argument("--data-column", default="text", help="the column that holds the text (Parquet, CSV, a dataset)")
     p.add_argument(
         "--workers", type=args.positive_int, default=min(4, os.cpu_count() or 1),
         help="processes that tokenize in parallel, in order",

@@ -4,11 +4,11 @@ Text files and folders read with the byte tokenizer (the presets' default)
 are read as bytes, as they are. Anything else is tokenized once, before the
 ranks start, into a token file that every rank reads a window at a time (kept under
 ``stagewise-run/tokens/``, one per corpus, tokenizer and fields):
-JSON lines and Parquet files, and any text read with a Hugging Face
-tokenizer. A token file given as ``--data`` is used as it is. An ``hf:DIR``
-model reads its data with the folder's own tokenizer; ``--tokenizer`` names
-another (or ``bytes``). A tokenizer with more tokens than the model embeds is
-refused.
+JSON lines, Parquet and CSV files, folders Hugging Face ``datasets`` saved,
+and any text read with a Hugging Face tokenizer. A token file given as
+``--data`` is used as it is. An ``hf:DIR`` model reads its data with the
+folder's own tokenizer; ``--tokenizer`` names another (or ``bytes``). A
+tokenizer with more tokens than the model embeds is refused.
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ from torch.utils.data import Dataset
 from stagewise.models import GPTConfig
 from stagewise.models.text import text_splits
 from stagewise.run.config import TrainConfig
-from stagewise.run.documents import Fields, files
+from stagewise.run.documents import Fields, files, structured
 from stagewise.run.token_file import TokenFile, is_token_file, write_token_file
 from stagewise.run.token_windows import token_splits
 from stagewise.run.tokenizer import BYTES, check_fits, has_tokenizer, load_tokenizer
 from stagewise.run.user_model import UserModel, model_of
-
-_STRUCTURED = (".jsonl", ".parquet")
 
 
 def tokenizer_of(config: TrainConfig) -> str:
@@ -65,11 +63,12 @@ def needs_tokenizing(config: TrainConfig) -> bool:
         return False
     if tokenizer_of(config) != BYTES:
         return True
-    return config.data is not None and any(p.suffix in _STRUCTURED for p in files(Path(config.data)))
+    return config.data is not None and structured(config.data)
 
 
 def _key(config: TrainConfig, tokenizer: str) -> str:
-    """What names a corpus tokenized one way: its files (paths, sizes, times), the tokenizer and the fields."""
+    """What names a corpus tokenized one way: its files (paths, sizes, times; a saved dataset's Arrow files and
+    state among them), the tokenizer and the fields."""
     assert config.data is not None
     listed = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files(Path(config.data))]
     what = [

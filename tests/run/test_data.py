@@ -1,8 +1,9 @@
-"""A run's data: documents from text, JSON lines and Parquet, token files written in order and mapped from disk,
+"""A run's data: documents from text, JSON lines, Parquet and CSV, token files written in order and mapped from disk,
 windows of packed documents, and tokenizers checked against the model before anything starts."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -19,7 +20,7 @@ from support.corpus import bpe_folder, texts, write_json_lines
 
 from stagewise.cli import main
 from stagewise.run import TrainConfig
-from stagewise.run.data import language_splits, prepared, tokenizer_of
+from stagewise.run.data import language_splits, needs_tokenizing, prepared, tokenizer_of
 from stagewise.run.documents import Fields, documents
 from stagewise.run.token_file import TokenFile, dtype_for, write_token_file
 from stagewise.run.token_windows import TokenWindows, token_splits
@@ -39,6 +40,20 @@ def test_documents_come_from_text_json_lines_and_parquet_in_order(tmp_path: Path
     assert got == [*DOCUMENTS, "a file is one document"]
     with pytest.raises(ValueError, match=r"a.jsonl, line 1: no text field 'text' \(it has \['body', 'source'\]\)"):
         list(documents(folder))
+
+
+def test_a_csv_file_is_a_document_a_row_in_its_column_named_in_its_header(tmp_path: Path) -> None:
+    rows = [*DOCUMENTS, 'a "quoted", comma', "y" * 200_000]  # longer than the csv module's default field limit
+    with (tmp_path / "rows.csv").open("w", encoding="utf-8-sig", newline="") as out:  # a byte-order mark first
+        writer = csv.writer(out)
+        writer.writerow(["id", "body"])
+        writer.writerows([i, text] for i, text in enumerate(rows))
+    assert list(documents(tmp_path / "rows.csv", Fields(column="body"))) == rows
+    assert list(documents(tmp_path, Fields(column="body"))) == rows and needs_tokenizing(
+        TrainConfig(model="gpt-tiny", data=str(tmp_path))
+    )  # read as rows, not taken as bytes
+    with pytest.raises(ValueError, match=r"rows.csv has no column 'text' \(its header has \['id', 'body'\]\); name"):
+        list(documents(tmp_path / "rows.csv"))
 
 
 def test_a_token_file_holds_each_document_and_its_end_of_text_and_is_mapped(tmp_path: Path) -> None:
