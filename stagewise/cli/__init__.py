@@ -1,5 +1,5 @@
 """The command line: ``train`` runs the main job, ``plan`` picks its layout, ``partition`` and ``schedule`` inspect,
-``tokenize`` prepares data."""
+``tokenize`` prepares data, ``nodes`` prints the torchrun command of each node of a job on several nodes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from stagewise.cli import partition, plan, schedule, tokenize, train
+from stagewise.cli import nodes, partition, plan, schedule, tokenize, train
 from stagewise.cli.args import LOG_FORMAT, DefaultsFormatter, JobFailedError
 from stagewise.comm import LaunchError
 
@@ -35,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     partition.add(commands)
     schedule.add(commands)
     tokenize.add(commands)
+    nodes.add(commands)
     return top
 
 
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format=LOG_FORMAT)
     run = {
         "train": train.run, "plan": plan.run, "partition": partition.run, "schedule": schedule.run,
-        "tokenize": tokenize.run,
+        "tokenize": tokenize.run, "nodes": nodes.run,
     }[ns.command]  # fmt: skip
     try:
         return run(ns)
