@@ -106,8 +106,8 @@ def add(commands: Any) -> None:
     p.add_argument("--seed", type=args.seed, default=d.seed, help="seed of the weights and the data order")
     p.add_argument(
         "--data", default=d.data,
-        help="a text file or folder, .jsonl or .parquet files, or a token file (stagewise tokenize); default: the "
-        "Python standard library's source, as bytes",
+        help="a text file or folder, .jsonl, .parquet or .csv files, a folder save_to_disk wrote (datasets), or a "
+        "token file (stagewise tokenize); default: the Python standard library's source, as bytes",
     )  # fmt: skip
     p.add_argument(
         "--tokenizer", default=None,
@@ -115,10 +115,18 @@ def add(commands: Any) -> None:
         "reads is tokenized once into stagewise-run/tokens/",
     )  # fmt: skip
     p.add_argument("--data-field", default=d.data_field, help="the field of a JSON line that holds the text")
-    p.add_argument("--data-column", default=d.data_column, help="the column of a Parquet file that holds the text")
+    p.add_argument(
+        "--data-column", default=d.data_column, help="the column that holds the text (Parquet, CSV, a saved dataset)"
+    )
     p.add_argument(
         "--data-limit", type=args.size, default=None, metavar="SIZE",
         help="read at most this much of the text, e.g. 64MiB (default: all of --data, 8 MiB of the stdlib source)",
+    )  # fmt: skip
+    p.add_argument(
+        "--document-masking", action="store_true",
+        help="keep packed documents apart: attention within each document, positions from its start, no loss "
+        "across its end (GPT presets; Hugging Face models through position_ids); the data is tokenized into a token "
+        "file, which knows its documents",
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: at the end)")
     p.add_argument("--eval-batches", type=args.positive_int, default=d.eval_batches, help="validation batches")
@@ -195,6 +203,7 @@ def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig
         ("--seq-len", ns.seq_len),
         ("--data", ns.data),
         ("--data-limit", ns.data_limit),
+        ("--document-masking", ns.document_masking or None),
         ("--tokenizer", ns.tokenizer),
     )
     given = [flag for flag, value in text if value is not None]

@@ -1,4 +1,9 @@
-"""GPT-style decoder built as a chain: embedding, pre-norm causal blocks, final norm, LM head."""
+"""GPT-style decoder built as a chain: embedding, pre-norm causal blocks, final norm, LM head.
+
+It reads token ids, or packed documents: the ids with each token's position in its own document
+(:data:`Packed`). Then each token attends only to the tokens of its document before it, and its position
+embedding counts from its document's start, so every document is computed as if it were run alone.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,29 @@ from torch import nn
 
 IGNORE_INDEX = -100
 """The target of a position no loss counts (padding): ``F.cross_entropy``'s default, and Hugging Face's."""
+
+Packed = tuple[torch.Tensor, torch.Tensor]
+"""Packed documents: token ids ``[batch, seq]`` and each token's position in its document (``[batch, seq]``,
+counting from 0 at each document's start), Hugging Face's ``position_ids`` for packed sequences."""
+
+Hidden = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""What passes between a GPT's layers: the residual stream, with each token's document index for packed
+documents (see :func:`documents_of`)."""
+
+
+def documents_of(positions: torch.Tensor) -> torch.Tensor:
+    """Each token's document, numbered from 0 along each row: a document starts wherever a position does not
+    follow the one before it by 1 (Hugging Face's rule for packed ``position_ids``)."""
+    before = positions[..., :1] - 1
+    return (torch.diff(positions, prepend=before, dim=-1) != 1).cumsum(-1)
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """The attention mask ``[batch, 1, seq, seq]`` (True: attend) of packed documents: causal, and within each
+    token's own document."""
+    length = documents.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    return (documents.unsqueeze(-1) == documents.unsqueeze(-2)).unsqueeze(1) & causal
 
 
 @dataclass(frozen=True)
@@ -54,6 +82,11 @@ class GPTConfig:
             raise ValueError(f"a sequence length of {length} exceeds the model's longest, {self.seq_len}")
         return torch.zeros(batch, length, dtype=torch.long)
 
+    def packed_example(self, batch: int, seq_len: int | None = None) -> Packed:
+        """:meth:`example` as packed documents (:data:`Packed`): one document a row, for profiling."""
+        ids = self.example(batch, seq_len)
+        return ids, torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+
     def target(self, batch: int, seq_len: int | None = None) -> torch.Tensor:
         """Targets for :meth:`example`: the next token ids."""
         return self.example(batch, seq_len)
@@ -92,16 +125,24 @@ class Embedding(nn.Module):
         self.tokens = Table(config.vocab_size, config.d_model, device=device)
         self.positions = Table(config.seq_len, config.d_model, device=device)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor | Packed) -> Hidden:
+        """Ids to embeddings; packed documents (ids, positions) to embeddings and each token's document."""
+        ids, positions = tokens if isinstance(tokens, tuple) else (tokens, None)
         longest = self.positions.weight.shape[0]
         if ids.shape[-1] > longest:  # on the meta device nothing else would notice
             raise ValueError(
                 f"a sequence of {ids.shape[-1]} tokens is longer than the model's {longest} positions; "
                 f"use at most {longest} tokens"
             )
-        positions = torch.arange(ids.shape[-1], device=ids.device)
-        out: torch.Tensor = self.tokens(ids) + self.positions(positions)
-        return out
+        if positions is None:
+            out: torch.Tensor = self.tokens(ids) + self.positions(torch.arange(ids.shape[-1], device=ids.device))
+            return out
+        if positions.shape != ids.shape:
+            raise ValueError(
+                f"packed documents need one position per token: ids {tuple(ids.shape)}, positions "
+                f"{tuple(positions.shape)}; give positions shaped like the ids"
+            )
+        return self.tokens(ids) + self.positions(positions), documents_of(positions)
 
 
 class Block(nn.Module):
@@ -119,15 +160,28 @@ class Block(nn.Module):
         self.fc = nn.Linear(d, config.hidden, device=device)
         self.out = nn.Linear(config.hidden, d, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: Hidden) -> Hidden:
+        """The block on the residual stream; with packed documents' indices, attending within each document."""
+        x, documents = hidden if isinstance(hidden, tuple) else (hidden, None)
         b, t, _ = x.shape
         # qkv's outputs are head by head (each head's q, k and v together), so a split of its columns over
         # tensor-parallel ranks gives each rank whole heads: -1 is the heads this rank computes.
         q, k, v = self.qkv(self.attn_norm(x)).view(b, t, -1, 3, self.head_dim).transpose(1, 2).unbind(3)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if documents is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents))
         x = x + self.proj(attn.transpose(1, 2).flatten(2))
         out: torch.Tensor = x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
-        return out
+        return out if documents is None else (out, documents)
+
+
+class FinalNorm(nn.LayerNorm):
+    """The layer norm after the last block; packed documents' indices, which the blocks pass on, end here."""
+
+    def forward(self, hidden: Hidden) -> torch.Tensor:
+        x = hidden[0] if isinstance(hidden, tuple) else hidden
+        return super().forward(x)
 
 
 class GPT(nn.Module):
@@ -147,13 +201,15 @@ class GPT(nn.Module):
         self.config = config
         self.embed = Embedding(config, device=device)
         self.blocks = nn.ModuleList(Block(config, device=device) for _ in range(config.n_layers))
-        self.norm = nn.LayerNorm(config.d_model, device=device)
+        self.norm = FinalNorm(config.d_model, device=device)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device)
         if config.tie_embeddings:
             self.head.weight = self.embed.tokens.weight
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``ids``; with ``positions`` (each token's position in its document), of packed documents,
+        each computed as if alone (see :data:`Packed`)."""
+        x = self.embed(ids if positions is None else (ids, positions))
         for block in self.blocks:
             x = block(x)
         out: torch.Tensor = self.head(self.norm(x))

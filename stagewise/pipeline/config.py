@@ -168,6 +168,11 @@ class PipelineOptions:
     ignore_index: int = -100
     """With ``loss_reduction="tokens"``: the target value that marks a position no loss counts (padding), as
     ``ignore_index`` does in ``F.cross_entropy`` (whose default, and Hugging Face's, is -100); unused otherwise."""
+    shift_labels: bool = False
+    """With ``loss_reduction="tokens"``: the targets are Hugging Face's labels, the inputs themselves
+    (``labels = input_ids``), which ``loss_fn`` shifts by one inside (as ``ForCausalLMLoss`` does), so the first
+    target of each sample predicts nothing and the count leaves it out. False: the targets are given shifted
+    (each position's next token), and every one other than ``ignore_index`` counts."""
     compute: Compute = field(default_factory=Compute)
     """Precision and recomputation of the stages' forwards."""
     diagnostics: Diagnostics = field(default_factory=Diagnostics)
@@ -223,6 +228,8 @@ class PipelineOptions:
                 "'tokens' is the mean over the valid target tokens of a padded batch"
             )
         _whole("PipelineOptions.ignore_index", self.ignore_index, least=None)
+        if not isinstance(self.shift_labels, bool):
+            raise TypeError(f"PipelineOptions.shift_labels must be True or False, got {self.shift_labels!r}")
         _instance("compute", self.compute, Compute)
         _instance("diagnostics", self.diagnostics, Diagnostics)
         if self.fuse_weight_gradients is not None and not isinstance(self.fuse_weight_gradients, WeightGradientFusion):

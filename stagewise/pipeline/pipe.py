@@ -417,7 +417,7 @@ class Pipeline(HeldStages):
         parts = split(whole, count, what="targets", reduction=self.loss_reduction)
         if self.loss_reduction != "tokens":
             return parts
-        mine = valid_tokens(whole, self.options.ignore_index)
+        mine = valid_tokens(whole, self.options.ignore_index, shift_labels=self.options.shift_labels)
         return per_token(parts, global_tokens(mine, mesh=self.mesh, timeout=self.timeout))
 
     def _share_loss(

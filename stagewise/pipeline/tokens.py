@@ -16,8 +16,9 @@ from stagewise.comm import Payload, PipelineMesh, as_tensors, named_collective
 from stagewise.pipeline.microbatch import Microbatches
 
 
-def valid_tokens(targets: Payload, ignore_index: int) -> int:
-    """The entries of ``targets`` (of its first tensor, for a tuple) other than ``ignore_index``.
+def valid_tokens(targets: Payload, ignore_index: int, *, shift_labels: bool = False) -> int:
+    """The entries of ``targets`` (of its first tensor, for a tuple) other than ``ignore_index``; with
+    ``shift_labels`` (Hugging Face's labels, shifted by the loss), those after each sample's first.
 
     Raises:
         ValueError: the counted tensor does not hold integer class ids.
@@ -29,6 +30,13 @@ def valid_tokens(targets: Payload, ignore_index: int) -> int:
             f"tensor, which must hold integer class ids, but it is {counted.dtype}; pass the class ids (first, "
             "in a tuple of targets) or choose loss_reduction='mean' or 'sum'"
         )
+    if shift_labels:
+        if counted.dim() < 2:
+            raise ValueError(
+                f"shift_labels counts each sample's labels after its first, but the first target tensor has shape "
+                f"{tuple(counted.shape)}; give labels shaped [batch, sequence, ...], or set shift_labels=False"
+            )
+        counted = counted[:, 1:]
     return int((counted != ignore_index).sum().item())
 
 

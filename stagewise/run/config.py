@@ -95,16 +95,21 @@ class TrainConfig:
     seed: int = 0
     """Seed of the initial weights (layer i from (seed, i)) and of the data order."""
     data: str | None = None
-    """What a language model trains on: a text file or folder, JSON lines (:attr:`data_field`), Parquet
-    (:attr:`data_column`), or a token file (``stagewise tokenize``); by default the Python standard library's
-    source, as bytes."""
+    """What a language model trains on: a text file or folder, JSON lines (:attr:`data_field`), Parquet, CSV or a
+    folder Hugging Face ``datasets`` saved (:attr:`data_column`), or a token file (``stagewise tokenize``); by
+    default the Python standard library's source, as bytes."""
     tokenizer: str | None = None
     """What reads the data: ``bytes``, or a Hugging Face tokenizer's folder; None: an ``hf:DIR`` model's own
     tokenizer, else bytes (see :mod:`stagewise.run.data`)."""
     data_field: str = "text"
     """The field of a JSON lines file that holds each document's text."""
     data_column: str = "text"
-    """The column of a Parquet file that holds each document's text."""
+    """The column that holds each document's text: of a Parquet or CSV file, or of a saved dataset."""
+    document_masking: bool = False
+    """Keep the packed documents of a window apart: each token attends only to its own document, positions count
+    from each document's start, and no target crosses a document's end, so each document trains as if it ran
+    alone (a GPT preset, or a Hugging Face model through ``position_ids``; see
+    :mod:`stagewise.run.token_windows`). The data is read as a token file, which knows its documents."""
     data_limit: int | None = None
     """Bytes of the text read at most; None: all of ``data``, or 8 MiB of the standard library's source."""
     eval_every: int = 100
@@ -150,7 +155,17 @@ class TrainConfig:
         self._check_numbers()
         self._check_weight_gradients()
         self._check_run_folder()
-        model_of(self.model)  # an unknown model fails here, with the choices
+        model = model_of(self.model)  # an unknown model fails here, with the choices
+        if self.document_masking and not isinstance(model, (GPTConfig, UserModel)):
+            raise ValueError(
+                f"document_masking keeps a language model's documents apart, but {self.model} reads no text; "
+                "leave it out, or choose a language model"
+            )
+        if self.document_masking and self.data is None:
+            raise ValueError(
+                "document_masking needs the data's documents, but the default data (the standard library's source "
+                "read as one stream of bytes) marks none; give data: files (one document each), JSON lines or Parquet"
+            )
         if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
             raise ValueError(
                 f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "

@@ -61,7 +61,7 @@ def needs_tokenizing(config: TrainConfig) -> bool:
     """Whether ``config``'s data must become a token file before the ranks start."""
     if config.data is not None and is_token_file(config.data):
         return False
-    if tokenizer_of(config) != BYTES:
+    if tokenizer_of(config) != BYTES or config.document_masking:  # a token file knows its documents' bounds
         return True
     return config.data is not None and structured(config.data)
 
@@ -105,7 +105,7 @@ def prepared(config: TrainConfig, cache: Path, progress: Callable[[int], object]
 def language_splits(config: TrainConfig) -> tuple[Dataset[Any], Dataset[Any]]:
     """Training and validation windows of ``config``'s data: a token file's, or the bytes of its text."""
     if config.data is not None and is_token_file(config.data):
-        splits = token_splits(config.data, config.seq_len)
+        splits = token_splits(config.data, config.seq_len, documents=config.document_masking)
         check_fits(splits.vocab_size, model_vocab(config), TokenFile(config.data).meta.tokenizer, config.model)
         return splits.train, splits.val
     if needs_tokenizing(config):

@@ -28,6 +28,7 @@ from stagewise.models import (
     teacher_regression,
 )
 from stagewise.partition import Layer, Partition, balance, balance_costs, layers_of, profile, shared_parameters
+from stagewise.partition.call_spec import Inputs
 from stagewise.pipeline import (
     Batch,
     Compute,
@@ -194,8 +195,17 @@ def _micro(config: TrainConfig) -> int:
 def _meta_model(config: TrainConfig, model_config: ModelConfig | UserModel) -> nn.Module:
     """``config``'s model on the meta device: a preset as it is, the user's model captured as a chain."""
     if isinstance(model_config, UserModel):
-        return model_config.chain(_micro(config), config.seq_len)
+        return model_config.chain(_micro(config), config.seq_len, packed=config.document_masking)
     return model_config.build(device="meta")
+
+
+def _sample(config: TrainConfig, model_config: ModelConfig | UserModel, micro: int) -> Inputs:
+    """One micro-batch as the model takes it, for profiling on the meta device."""
+    if isinstance(model_config, UserModel):
+        return model_config.example(micro, config.seq_len, packed=config.document_masking)
+    if isinstance(model_config, GPTConfig) and config.document_masking:
+        return model_config.packed_example(micro, config.seq_len)
+    return model_config.example(micro, config.seq_len if config.tokens_per_sample > 1 else None)
 
 
 @dataclass(frozen=True)
@@ -219,8 +229,7 @@ def _assembled(config: TrainConfig) -> _Assembled:
     model = _meta_model(config, model_config)
     n_stages = config.stages * config.virtual
     micro = _micro(config)
-    sample = model_config.example(micro, config.seq_len if config.tokens_per_sample > 1 else None)
-    costs = profile(model, sample)  # on the meta device: FLOPs, for the split and the MFU
+    costs = profile(model, _sample(config, model_config, micro))  # on the meta device: FLOPs, for the split and the MFU
     part: Partition = (
         Partition.from_bounds(config.partition)
         if config.partition is not None

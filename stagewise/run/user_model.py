@@ -73,17 +73,23 @@ class UserModel:
         folder = self.folder
         return folder if folder is not None and any(folder.glob("*.safetensors")) else None
 
-    def example(self, batch: int, seq_len: int | None = None) -> dict[str, torch.Tensor]:
-        """A micro-batch of ``batch`` sequences of ``seq_len`` token ids (zeros)."""
-        return {"input_ids": torch.zeros(batch, seq_len or 2, dtype=torch.long)}
+    def example(self, batch: int, seq_len: int | None = None, *, packed: bool = False) -> dict[str, torch.Tensor]:
+        """A micro-batch of ``batch`` sequences of ``seq_len`` token ids (zeros); ``packed``: with each token's
+        position in its document too (``position_ids``, here one document a row), as packed documents are given
+        (see :mod:`stagewise.run.token_windows`)."""
+        ids = torch.zeros(batch, seq_len or 2, dtype=torch.long)
+        if not packed:
+            return {"input_ids": ids}
+        return {"input_ids": ids, "position_ids": torch.arange(ids.shape[1]).expand_as(ids).contiguous()}
 
-    def chain(self, batch: int, seq_len: int) -> CapturedChain:
-        """The model on the meta device, captured at ``seq_len`` (any length up to its limit runs)."""
+    def chain(self, batch: int, seq_len: int, *, packed: bool = False) -> CapturedChain:
+        """The model on the meta device, captured at ``seq_len`` (any length up to its limit runs); ``packed``:
+        taking ``position_ids`` too, by which Hugging Face's attention keeps packed documents apart."""
         model = self.build(device="meta")
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int) and seq_len > limit:
             raise ValueError(f"seq_len={seq_len} exceeds {self.name}'s longest sequence, {limit}")
-        return capture(model, self.example(batch, seq_len))
+        return capture(model, self.example(batch, seq_len, packed=packed))
 
     @property
     def vocab_size(self) -> int | None:

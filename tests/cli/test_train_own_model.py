@@ -95,12 +95,14 @@ def test_a_folder_whose_config_names_code_of_its_own_is_refused_without_running_
 
 @pytest.mark.timeout(240)
 def test_a_folder_with_its_own_8k_tokenizer_trains_on_json_lines_and_reports_its_metrics(tmp_path: Path) -> None:
+    """On packed documents kept apart (document masking)."""
     # The folder's tokenizer was ignored: its 1,000-token model trained on byte values used as token ids.
     documents = texts(60)
     folder = bpe_folder(tmp_path / "llama", documents, 8192)
     corpus = write_json_lines(tmp_path / "docs.jsonl", documents)
     argv = ["--model", f"hf:{folder}", "--data", str(corpus), "--steps", "30", "--warmup", "3", "--batch-size", "8"]
     argv += ["--seq-len", "64", "--eval-every", "15", "--lr", "3e-3", "--tensorboard", "--out", str(tmp_path / "run")]
+    argv += ["--document-masking"]  # its documents apart, through position_ids
     done = subprocess.run(
         [sys.executable, "-m", "stagewise", "train", *argv], capture_output=True, text=True, timeout=230,
         cwd=tmp_path, check=False,

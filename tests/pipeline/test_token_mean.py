@@ -1,9 +1,10 @@
-"""loss_reduction="tokens": padded batches train as Hugging Face's mean over the valid tokens of the global batch."""
+"""loss_reduction="tokens": padded batches train as Hugging Face's mean over the valid tokens of the global batch,
+with targets given shifted or as Hugging Face's labels (shifted by the loss), and on packed documents."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -38,6 +39,10 @@ class TokenCase:
     tuple_targets: bool = False
     """Pass the targets as (token ids, a float tensor): the first one is counted."""
     seed: int = 0
+    form: Literal["shifted", "labels", "packed"] = "shifted"
+    """The targets are each position's next token ("shifted"); Hugging Face's labels, the inputs themselves,
+    which the loss shifts (``shift_labels``); or "shifted" on packed documents: the inputs are (ids, each
+    token's position in its document), and no target crosses a document's end."""
 
     @property
     def global_batch(self) -> int:
@@ -57,12 +62,43 @@ def padded_batches(case: TokenCase) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if step == 1 and len(case.replica_batches) > 1:
             valid[-case.replica_batches[-1] :] = 0
         targets[torch.arange(CONFIG.seq_len) >= valid[:, None]] = IGNORE
+        if case.form == "labels":  # the inputs, padded as the targets are: label t + 1 is target t
+            targets = torch.cat([inputs[:, :1], targets[:, :-1]], dim=1)
+        if case.form == "packed":
+            out.append(_packed(inputs, targets, g))
+            continue
         out.append((inputs, targets))
     return out
 
 
-def eval_batch(case: TokenCase) -> tuple[torch.Tensor, torch.Tensor]:
-    return padded_batches(TokenCase(case.schedule, case.replica_batches, seed=case.seed + 50))[0]
+def _packed(ids: torch.Tensor, targets: torch.Tensor, g: torch.Generator) -> tuple[Any, torch.Tensor]:
+    """``ids`` as packed documents: each row cut into documents where a random draw says, positions restarting
+    at each, and no target across a document's end."""
+    starts = torch.rand(ids.shape, generator=g) < 0.3
+    starts[:, 0] = True
+    index = torch.arange(ids.shape[1]).expand_as(ids)
+    first = torch.where(starts, index, 0).cummax(dim=1).values
+    positions = index - first
+    ends = torch.zeros_like(starts)
+    ends[:, :-1] = starts[:, 1:]
+    return (ids, positions), targets.masked_fill(ends, IGNORE)
+
+
+def eval_batch(case: TokenCase) -> tuple[Any, torch.Tensor]:
+    return padded_batches(TokenCase(case.schedule, case.replica_batches, seed=case.seed + 50, form=case.form))[0]
+
+
+def forward(model: Any, inputs: Any) -> torch.Tensor:
+    """The unsplit model on ``inputs``: ids, or packed documents."""
+    out: torch.Tensor = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+    return out
+
+
+def reference_loss(case: TokenCase, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's loss; for labels, shifted as ``ForCausalLMLoss`` shifts them."""
+    if case.form == "labels":
+        return hf_loss(logits[:, :-1], targets[:, 1:])
+    return hf_loss(logits, targets)
 
 
 def hf_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,6 +112,11 @@ def summed_loss(logits: torch.Tensor, targets: Any) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), ids.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+def summed_label_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same for Hugging Face's labels: shifted here, inside the loss."""
+    return summed_loss(logits[:, :-1], labels[:, 1:])
+
+
 def unsplit(case: TokenCase) -> dict[str, Any]:
     """One process, the whole model, the whole global batch of each step."""
     model = materialise_model(GPT(CONFIG, device="meta"), seed=SEED)
@@ -83,20 +124,22 @@ def unsplit(case: TokenCase) -> dict[str, Any]:
     losses, grads = [], []
     for x, y in padded_batches(case):
         opt.zero_grad()
-        loss = hf_loss(model(x), y)
+        loss = reference_loss(case, forward(model, x), y)
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
     with torch.no_grad():
         x, y = eval_batch(case)
-        evaluated = hf_loss(model(x), y).item()
+        evaluated = reference_loss(case, forward(model, x), y).item()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "params": params, "eval": evaluated}
 
 
-def _share(case: TokenCase, replica: int, batch: torch.Tensor) -> torch.Tensor:
+def _share(case: TokenCase, replica: int, batch: Any) -> Any:
     start = sum(case.replica_batches[:replica])
+    if isinstance(batch, tuple):
+        return tuple(t[start : start + case.replica_batches[replica]] for t in batch)
     return batch[start : start + case.replica_batches[replica]]
 
 
@@ -105,11 +148,12 @@ def train_tokens(cases: list[TokenCase], pp: int, dp: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_mesh(pp, dp, timeout=30)
     results: dict[str, Any] = {"cases": []}
-    options = PipelineOptions(seed=SEED, loss_reduction="tokens", ignore_index=IGNORE)
     for case in cases:
+        labels = case.form == "labels"
+        options = PipelineOptions(seed=SEED, loss_reduction="tokens", ignore_index=IGNORE, shift_labels=labels)
         pipe = Pipeline(
             GPT(CONFIG, device="meta"), Partition.from_bounds(BOUNDS), schedule=case.schedule,  # type: ignore[arg-type]
-            n_microbatches=M, loss_fn=summed_loss, mesh=mesh, options=options,
+            n_microbatches=M, loss_fn=summed_label_loss if labels else summed_loss, mesh=mesh, options=options,
         )  # fmt: skip
         opt = torch.optim.SGD(pipe.parameters(), lr=LR)
         losses, grads = [], []
@@ -169,14 +213,21 @@ def check(results: dict[int, dict[str, Any]], cases: list[TokenCase]) -> None:
 
 
 def test_token_mean_on_two_stages_equals_the_unsplit_model() -> None:
-    """pp=2 dp=1, batches of 7 in micro-batches of 3, 2, 2, the targets a tensor and a tuple."""
-    cases = [TokenCase("1f1b", (7,)), TokenCase("zero-bubble", (7,), tuple_targets=True, seed=1)]
+    """pp=2 dp=1, batches of 7 in micro-batches of 3, 2, 2: the targets a tensor and a tuple, Hugging Face's labels,
+    and packed documents."""
+    cases = [
+        TokenCase("1f1b", (7,), form="labels", seed=6),
+        TokenCase("1f1b", (7,), form="packed", seed=7),
+        TokenCase("1f1b", (7,)),
+        TokenCase("zero-bubble", (7,), tuple_targets=True, seed=1),
+    ]
     check(run_ranks(train_tokens, 2, cases, 2, 1, timeout=120), cases)
 
 
 def test_token_mean_on_two_stages_by_two_replicas_equals_the_unsplit_model() -> None:
-    """pp=2 dp=2: replicas of 7 and 7 samples, and of 7 and 5 (sizes a token mean allows to differ)."""
-    cases = [TokenCase("1f1b", (7, 7), seed=2), TokenCase("gpipe", (7, 5), seed=3)]
+    """pp=2 dp=2: replicas of 7 and 7 samples, and of 7 and 5 (sizes a token mean allows to differ), the second
+    as Hugging Face's labels."""
+    cases = [TokenCase("1f1b", (7, 7), seed=2), TokenCase("gpipe", (7, 5), seed=3, form="labels")]
     check(run_ranks(train_tokens, 4, cases, 2, 2, timeout=150), cases)
 
 
@@ -227,3 +278,15 @@ def test_the_language_model_presets_train_on_the_token_mean_which_is_the_mean_on
     g = torch.Generator().manual_seed(0)
     logits, targets = torch.randn(2, 5, 256, generator=g), torch.randint(0, 256, (2, 5), generator=g)
     torch.testing.assert_close(goal.loss_fn(logits, targets) / targets.numel(), model.loss(logits, targets))
+
+
+def test_hugging_face_labels_are_counted_after_each_samples_first_and_a_miscount_would_show() -> None:
+    case = TokenCase("1f1b", (7,), form="labels", seed=6)
+    (x, labels), (_, shifted) = padded_batches(case)[0], padded_batches(TokenCase("1f1b", (7,), seed=6))[0]
+    assert torch.equal(labels[:, 1:], shifted[:, :-1]) and torch.equal(labels[:, 0], x[:, 0])
+    assert valid_tokens(labels, IGNORE, shift_labels=True) == valid_tokens(shifted[:, :-1], IGNORE)
+    assert valid_tokens(labels, IGNORE) == valid_tokens(shifted[:, :-1], IGNORE) + 7  # one more per sample
+    with pytest.raises(ValueError, match=r"shift_labels counts each sample's labels after its first, but the first"):
+        valid_tokens(torch.tensor([1, 2, 3]), IGNORE, shift_labels=True)
+    with pytest.raises(TypeError, match=r"PipelineOptions.shift_labels must be True or False, got 'yes'"):
+        PipelineOptions(shift_labels="yes")  # type: ignore[arg-type]
