@@ -49,6 +49,7 @@ for ((node = 0; node < SLURM_NNODES; node++)); do
     ) &
 done
 wait
+! grep -qvx 0 "$FAKE_SLURM"/node*.status  # srun fails when a task does
 """
 # scontrol show hostnames for the simulated job's node list: both "nodes" are this machine.
 FAKE_SCONTROL = r"""#!/bin/bash
