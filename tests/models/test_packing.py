@@ -170,3 +170,10 @@ def test_hf_llama_captured_with_position_ids_keeps_each_document_alone(dtype: to
         return out
 
     _check(chain, forward, packed, dtype)
+
+
+def test_positions_that_are_not_one_per_token_are_refused() -> None:
+    model = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_layers=1, n_heads=4).build(device="meta")
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    with pytest.raises(ValueError, match=r"^packed documents need one position per token: ids \(2, 8\), positions "):
+        model(ids, ids[:, 1:])
