@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import logging
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +14,15 @@ from torch import nn
 
 from stagewise.cli import args
 from stagewise.comm import Payload
-from stagewise.models import GPT, PRESETS, GPTConfig, gpt_parallel
-from stagewise.partition import Layer, layers_of
-from stagewise.partition.profile import working_copy
+from stagewise.models import GPT, PRESETS, gpt_parallel
+from stagewise.partition import layers_of
 from stagewise.plan import Option, Plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.planner import candidates, tensor_parallel_degrees
 from stagewise.plan.synthesised import synthesised
 from stagewise.plan.tensor_traffic import layer_traffic
 from stagewise.plan.workload import Workload, preset_model, workload, workload_under_load
-from stagewise.run.user_model import HF, UserModel, model_of
+from stagewise.run.planned_model import ModelRequest, planned_model
 from stagewise.schedule import render
 from stagewise.units import format_bytes, parse_bytes
 
@@ -42,9 +39,13 @@ def add(commands: Any) -> None:
     )
     p.add_argument(
         "--model", default="gpt-small",
-        help="a preset, hf:DIR (a local Hugging Face folder) or MODULE:FACTORY returning an nn.Module",
+        help="a preset, hf:DIR (a local Hugging Face folder) or MODULE:FACTORY (a function returning a language model, "
+        "as train takes it; with --input-shape, any nn.Module)",
     )  # fmt: skip
-    p.add_argument("--input-shape", default=None, help="for MODULE:FACTORY: one sample's shape, e.g. 128 or 3x32x32")
+    p.add_argument(
+        "--input-shape", default=None,
+        help="for MODULE:FACTORY returning a model that takes no token ids: one sample's shape, e.g. 128 or 3x32x32",
+    )  # fmt: skip
     p.add_argument("--input-dtype", default="float32", choices=["float32", "int64"], help="for MODULE:FACTORY")
     p.add_argument("--gpus", type=args.positive_int, default=None, help="devices in all (8)")
     p.add_argument("--gpu-memory", type=args.size, default=None, help="memory per device (80GiB)")
@@ -57,7 +58,9 @@ def add(commands: Any) -> None:
         "--profile-ranks", type=args.positive_int, default=1,
         help="with --profile: processes measuring at once, as many as the job's ranks sharing this machine",
     )  # fmt: skip
-    p.add_argument("--global-batch", type=args.positive_int, default=64, help="samples per optimizer step")
+    p.add_argument(
+        "--batch-size", type=args.positive_int, default=64, help="samples per optimizer step (the global batch)"
+    )
     p.add_argument("--seq-len", type=args.positive_int, default=None, help="tokens per sample (GPT; preset's)")
     p.add_argument("--micro-batch", type=args.positive_int, default=1, help="samples per profiled micro-batch")
     p.add_argument("--link-bandwidth", type=float, default=50e9, help="bytes/s between adjacent stages")
@@ -86,118 +89,6 @@ def add(commands: Any) -> None:
         help="also synthesise a schedule for the best layout's stages within its memory; --json then holds it "
         "where it is faster (one stage per rank, up to 16 ranks and 64 micro-batches)",
     )  # fmt: skip
-
-
-def _model(ns: argparse.Namespace) -> tuple[nn.Module, Payload, int]:
-    """The model on the meta device, one profiled micro-batch, and tokens per sample."""
-    if ns.model in PRESETS:
-        config = PRESETS[ns.model]
-        if ns.input_shape is not None:
-            raise ValueError(f"--input-shape applies to MODULE:FACTORY models; {ns.model} knows its input")
-        args.check_seq_len(ns.seq_len, ns.model)
-        sample = config.example(ns.micro_batch, ns.seq_len)
-        tokens = int(sample.shape[1]) if isinstance(config, GPTConfig) else 1
-        return config.build(device="meta"), sample, tokens
-    if ns.model.startswith(HF):
-        if ns.input_shape is not None:
-            raise ValueError(f"--input-shape applies to MODULE:FACTORY models; {ns.model} takes token ids")
-        user = model_of(ns.model)
-        assert isinstance(user, UserModel)
-        seq_len = ns.seq_len or 128
-        chain = user.chain(ns.micro_batch, seq_len)
-        return chain, chain.call.positional(user.example(ns.micro_batch, seq_len)), seq_len
-    module_name, _, factory_name = ns.model.partition(":")
-    if not factory_name:
-        raise ValueError(f"--model {ns.model!r} is neither a preset ({sorted(PRESETS)}) nor MODULE:FACTORY")
-    factory = getattr(importlib.import_module(module_name), factory_name, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name} has no callable {factory_name!r}")
-    if ns.input_shape is None:
-        raise ValueError("--model MODULE:FACTORY needs --input-shape, one sample's shape such as 128 or 3x32x32")
-    try:
-        dims = [int(x) for x in str(ns.input_shape).split("x")]
-    except ValueError:
-        dims = []
-    if not dims or min(dims) < 1:
-        raise ValueError(
-            f"--input-shape {ns.input_shape} is not one sample's shape: give sizes >= 1 such as 128 or 3x32x32"
-        )
-    shape = [ns.micro_batch, *dims]
-    with torch.device("meta"):
-        model = factory()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{ns.model} returned a {type(model).__name__}, not an nn.Module")
-    dtype = torch.int64 if ns.input_dtype == "int64" else torch.float32
-    sample = torch.zeros(shape, dtype=dtype)
-    _check_input(ns, model, sample)
-    return model, sample, shape[1] if dtype == torch.int64 and len(shape) == 2 else 1
-
-
-_FAILURES = (RuntimeError, ValueError, TypeError, IndexError)
-"""What a forward raises on an input it cannot take (NotImplementedError, a meta op missing, is a RuntimeError)."""
-
-
-def _reason(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
-def _check_input(ns: argparse.Namespace, model: nn.Module, sample: torch.Tensor) -> None:
-    """Refuse a micro-batch ``sample`` that the factory's ``model`` (on meta) cannot take, with the reason.
-
-    The meta device computes shapes only, so a forward that reads its data (``.item()``, ``if tensor``,
-    ``torch.nonzero``, boolean masks) fails there whatever the shape, with a RuntimeError like a wrong shape's:
-    only their messages differ. A meta failure is therefore decided on a real device. With --profile, the
-    model's layers run there one at a time, as profiling runs them. Without it the plan profiles on meta, which
-    this model cannot pass anyway; only the layer that failed runs on the CPU, to say which of the two it was.
-    """
-    taken = f"a micro-batch of shape {list(sample.shape)} ({ns.input_dtype})"
-    try:  # on the meta device: shapes only, nothing computed
-        with torch.no_grad():
-            model(sample.to("meta"))
-        return
-    except _FAILURES as err:
-        log.debug("%s on the meta device with %s: %s", ns.model, taken, _reason(err))
-    layers = layers_of(model)
-    if ns.profile:
-        _run_on(ns, layers, sample, torch.device(ns.device or "cpu"), taken)
-        return
-    current: Payload = sample.to("meta")
-    for index, layer in enumerate(layers):
-        try:
-            with torch.no_grad():
-                current = layer.module(current)
-        except _FAILURES as err:
-            _run_on(ns, layers[index : index + 1], current, torch.device("cpu"), taken)
-            raise ValueError(
-                f"{ns.model} takes {taken} on the CPU, but its layer {layer.name!r} cannot run on the meta device: "
-                f"{_reason(err)}; its forward reads the data, which the meta device has not: add --profile to plan "
-                "the model on a real device (--device)"
-            ) from err
-    # The model's forward failed on meta but its chain of layers, which the plan profiles, did not.
-
-
-def _run_on(ns: argparse.Namespace, layers: Sequence[Layer], inputs: Payload, device: torch.device, taken: str) -> None:
-    """Run ``layers`` one after another on ``device``, each a fresh copy as profiling makes it, from zeros shaped
-    like ``inputs``; refuse the input shape with the reason when one fails."""
-    current = _zeros(inputs, device)
-    for layer in layers:
-        work = working_copy(layer.module, device)
-        try:
-            with torch.no_grad():
-                current = work(current)
-        except _FAILURES as err:
-            raise ValueError(
-                f"{ns.model} cannot take {taken}: {_reason(err)} (layer {layer.name!r} on {device}); give "
-                "--input-shape as the shape of one sample the model takes"
-            ) from err
-        del work
-
-
-def _zeros(payload: Payload, device: torch.device) -> Payload:
-    """Zeros shaped like ``payload`` on ``device``: what a meta tensor stands for in profiling."""
-    if isinstance(payload, torch.Tensor):
-        return torch.zeros_like(payload, device=device)
-    return tuple(torch.zeros_like(t, device=device) for t in payload)
 
 
 def _cluster(ns: argparse.Namespace) -> Cluster:
@@ -260,14 +151,14 @@ def _workload(ns: argparse.Namespace, model: nn.Module, sample: Payload, tokens:
             raise ValueError("--profile-ranks above 1 profiles presets only; profile MODULE:FACTORY with one rank")
         return workload_under_load(
             preset_model, (ns.model, ns.micro_batch, ns.seq_len), concurrent=ns.profile_ranks,
-            global_batch=ns.global_batch, tokens_per_sample=tokens, state_multiplier=state, measure_on=device,
+            global_batch=ns.batch_size, tokens_per_sample=tokens, state_multiplier=state, measure_on=device,
             optimizer=ns.optimizer,
         )  # fmt: skip
     loss = preset_model(ns.model, ns.micro_batch, ns.seq_len)[2] if ns.model in PRESETS else None
     return workload(
         model,
         sample,
-        global_batch=ns.global_batch,
+        global_batch=ns.batch_size,
         tokens_per_sample=tokens,
         state_multiplier=state,
         measure_on=device if ns.profile else None,
@@ -320,7 +211,12 @@ def run(ns: argparse.Namespace) -> int:
     if not ns.profile and (ns.profile_ranks != 1 or ns.device is not None):
         flag = "--profile-ranks" if ns.profile_ranks != 1 else "--device"
         raise ValueError(f"{flag} says how --profile measures; add --profile, or leave {flag} out")
-    model, sample, tokens = _model(ns)
+    request = ModelRequest(
+        ns.model, micro_batch=ns.micro_batch, seq_len=ns.seq_len, input_shape=ns.input_shape,
+        input_dtype=ns.input_dtype, profile_on=torch.device(ns.device or "cpu") if ns.profile else None,
+    )  # fmt: skip
+    planned = planned_model(request)
+    model, sample, tokens = planned.model, planned.sample, planned.tokens_per_sample
     cluster = _cluster(ns)
     work = _workload(ns, model, sample, tokens)
     params = sum(p.numel() for p in model.parameters())

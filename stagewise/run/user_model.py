@@ -42,7 +42,7 @@ class UserModel:
     def build(self, *, device: torch.device | str | None = "meta") -> nn.Module:
         """The model, on ``device`` (by default the meta device: no weights allocated)."""
         with torch.device(device if device is not None else "cpu"):
-            model = self._hf() if self.folder is not None else _factory(self.name)()
+            model = self._hf() if self.folder is not None else factory_of(self.name)()
         if not isinstance(model, nn.Module):
             raise TypeError(f"{self.name} returned a {type(model).__name__}, not an nn.Module")
         return model.train()
@@ -116,7 +116,8 @@ class UserModel:
         )
 
 
-def _factory(name: str) -> Any:
+def factory_of(name: str) -> Any:
+    """The function ``MODULE:FACTORY`` names, imported (the command line's model: trusted as the user's code)."""
     module_name, _, factory_name = name.partition(":")
     try:
         module = importlib.import_module(module_name)
