@@ -29,8 +29,8 @@ run shard_gpu_check 300 "$PY" benchmarks/shard_gpu_check.py --preset gpt-small -
 run mfu_gpu_check 420 "$PY" benchmarks/mfu_gpu_check.py --presets gpt-small,gpt-medium --batch 8 --microbatches 4
 # A local Hugging Face folder trained from the command line on one GPU.
 "$PY" -c 'import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=256)).save_pretrained("/tmp/stagewise-hf-gpt2")' > /dev/null 2>&1
-run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --stages 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run
+run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --pp 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run
 # The main job on one GPU.
-run train 150 "$PY" -m stagewise train --stages 1 --steps 30 --eval-every 10 --out /tmp/stagewise-gpu-run
+run train 150 "$PY" -m stagewise train --pp 1 --steps 30 --eval-every 10 --out /tmp/stagewise-gpu-run
 cp /tmp/stagewise-gpu-run/summary.json "$OUT/train_summary.json"
 tail -n 4 "$OUT"/*.txt

@@ -115,7 +115,7 @@ def main() -> None:
         saved = evaluate(layout, dataclasses.replace(work, costs=held, loss_bytes=None), cluster).rank_activation
         assert option.partition is not None, option.rejected
         config = TrainConfig(
-            model=name, stages=pp, microbatches=m, batch_size=batch, seq_len=seq, steps=ns.steps, warmup=1,
+            model=name, pp=pp, microbatches=m, batch_size=batch, seq_len=seq, steps=ns.steps, warmup=1,
             eval_every=0, partition=option.partition.bounds, clip=1.0,
         )  # fmt: skip
         if gpu:

@@ -170,7 +170,7 @@ def main() -> None:
         saved = evaluate(layout, dataclasses.replace(work, costs=held, loss_bytes=None), cluster).rank_activation
         state = [total - acts for total, acts in zip(option.rank_memory, option.rank_activation, strict=True)]
         config = TrainConfig(
-            model=ns.preset, stages=pp, dp=dp, fsdp=fsdp, tp=tp, microbatches=m, batch_size=ns.batch,
+            model=ns.preset, pp=pp, dp=dp, fsdp=fsdp, tp=tp, microbatches=m, batch_size=ns.batch,
             seq_len=ns.seq_len, steps=ns.steps, warmup=1, eval_every=0, partition=option.partition.bounds, clip=1.0,
             checkpoint_dir=None,
         )  # fmt: skip

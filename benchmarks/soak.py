@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     ns = parser.parse_args()
     config = TrainConfig(
-        model="gpt-tiny", stages=2, microbatches=4, batch_size=16, seq_len=64, steps=ns.steps, eval_every=0
+        model="gpt-tiny", pp=2, microbatches=4, batch_size=16, seq_len=64, steps=ns.steps, eval_every=0
     )
     for rank, got in sorted(launch(soak, 2, config, ns.warmup).items()):
         start, end = got["marks"]["start"], got["marks"]["end"]

@@ -27,7 +27,7 @@ def test_a_checkpoint_of_two_stages_resumes_with_other_splits(runs: Runs, stages
     root = runs.root
     here = root / f"s{stages}-dp{dp}"
     shutil.copytree(root / "half" / "step-00000004", here / "step-00000004")
-    config = dataclasses.replace(BASE, stages=stages, dp=dp, stop_after=5, checkpoint_dir=str(here), resume=True)
+    config = dataclasses.replace(BASE, pp=stages, dp=dp, stop_after=5, checkpoint_dir=str(here), resume=True)
     losses = launch_run(config)
     # The next step's loss equals continuing with 2 stages, so the parameters and optimizer state loaded equal.
     torch.testing.assert_close(losses[0], runs.whole[4], atol=1e-5, rtol=1e-5)
@@ -43,7 +43,7 @@ def test_a_checkpoint_of_two_stages_resumes_with_other_splits(runs: Runs, stages
 def test_a_checkpoint_of_one_stage_resumes_tied_weights_on_two(runs: Runs, tmp_path: Path) -> None:
     # One stage saves the tied embedding and head's optimizer state under the embedding's name only; the head's
     # copy on the second stage must find it there, or it restarts AdamW from nothing and the copies drift apart.
-    one = dataclasses.replace(BASE, stages=1, stop_after=4, checkpoint_dir=str(tmp_path))
+    one = dataclasses.replace(BASE, pp=1, stop_after=4, checkpoint_dir=str(tmp_path))
     torch.testing.assert_close(launch_run(one), runs.whole[:4], atol=1e-5, rtol=1e-5)
     two = dataclasses.replace(BASE, stop_after=6, checkpoint_dir=str(tmp_path), resume=True)
     torch.testing.assert_close(launch_run(two), runs.whole[4:6], atol=1e-5, rtol=1e-5)
@@ -82,7 +82,7 @@ def _broken_copies(saved: Path, base: Path) -> dict[str, Path]:
 
 def _load_refusals(saved: Path, base: Path, pipe: Pipeline) -> dict[str, str]:
     """Load ``saved`` (a 1-step checkpoint of :data:`BASE` on one stage) wrongly in every way: each message."""
-    other = build_pipeline(dataclasses.replace(BASE, model="mlp-tiny", stages=1))
+    other = build_pipeline(dataclasses.replace(BASE, model="mlp-tiny", pp=1))
     messages = {
         "other model": _refusal(lambda: checkpoint.load(saved, other)),
         "no checkpoint": _refusal(lambda: checkpoint.load(base / "nowhere", other)),
@@ -90,7 +90,7 @@ def _load_refusals(saved: Path, base: Path, pipe: Pipeline) -> dict[str, str]:
     }
     for case, path in _broken_copies(saved, base).items():
         messages[case] = _refusal(partial(checkpoint.load, path, pipe))
-    untied = dataclasses.replace(BASE, stages=1, stop_after=1, model="gpt-tiny", checkpoint_dir=str(base / "untied"))
+    untied = dataclasses.replace(BASE, pp=1, stop_after=1, model="gpt-tiny", checkpoint_dir=str(base / "untied"))
     train(untied)
     untied_saved = checkpoint.latest(base / "untied")
     assert untied_saved is not None
@@ -117,10 +117,10 @@ def bad_checkpoints(root: str) -> dict[str, str]:
     """Save one checkpoint, then load it wrongly in several ways and save beside it; what each did."""
     torch.set_num_threads(1)
     base = Path(root)
-    train(dataclasses.replace(BASE, stages=1, stop_after=1, checkpoint_dir=str(base / "good")))
+    train(dataclasses.replace(BASE, pp=1, stop_after=1, checkpoint_dir=str(base / "good")))
     saved = checkpoint.latest(base / "good")
     assert saved is not None
-    pipe = build_pipeline(dataclasses.replace(BASE, stages=1))
+    pipe = build_pipeline(dataclasses.replace(BASE, pp=1))
     messages = _load_refusals(saved, base, pipe) | _save_outcomes(base, pipe)
     dist.destroy_process_group()
     return messages

@@ -82,7 +82,7 @@ def bytes_entries(root: str) -> dict[str, str]:
     reader said, and whether the planted code ran."""
     torch.set_num_threads(1)
     base = Path(root)
-    config = dataclasses.replace(BASE, stages=1, checkpoint_dir=str(base / "good"))
+    config = dataclasses.replace(BASE, pp=1, checkpoint_dir=str(base / "good"))
     pipe = build_pipeline(config)
     saved = checkpoint.save(base / "good", pipe, None, checkpoint.Progress(1, 0, 0))
     model_key = "model/" + next(k for k in pipe.state_dict() if k.startswith("blocks."))  # not a tied one

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One node (pod) of a stagewise train job on Kubernetes: reads what the operator set and runs torchrun.
 #
-#   torchrun-node.sh --model gpt-1.3b --stages 8 --dp 2 --out /shared/runs/1b
+#   torchrun-node.sh --model gpt-1.3b --pp 8 --dp 2 --out /shared/runs/1b
 #
 # The arguments are `stagewise train` flags. Used by pytorchjob.yaml (Kubeflow's training operator sets
 # PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, MASTER_ADDR and MASTER_PORT) and by jobset.yaml (JobSet

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from stagewise.cli import nodes, partition, plan, schedule, tokenize, train
-from stagewise.cli.args import LOG_FORMAT, DefaultsFormatter, JobFailedError
+from stagewise.cli.args import DefaultsFormatter, JobFailedError
 from stagewise.comm import LaunchError
+from stagewise.run.rank import LOG_FORMAT
 
 
 class _WithDefaults(argparse.ArgumentParser):

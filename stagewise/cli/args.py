@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Literal
 
 import torch
 
 from stagewise.models import PRESETS, GPTConfig
 from stagewise.units import parse_bytes
-
-LOG_FORMAT = "%(name)s: %(message)s"
-"""How the commands (and the processes ``train`` launches) log."""
 
 
 def size(text: str) -> float:
@@ -66,6 +64,19 @@ def model_name(text: str) -> str:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err).removeprefix(f"--model {text}: ")) from err
     return text
+
+
+def bounds(text: str) -> tuple[int, ...]:
+    """Stage bounds of the layers, ``0,3,7``: whole numbers from 0, increasing."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers such as 0,3,7, got {text!r}") from err
+    if len(values) < 2 or values[0] != 0 or any(b <= a for a, b in itertools.pairwise(values)):
+        raise argparse.ArgumentTypeError(
+            f"{text} are not stage bounds: give whole numbers from 0 that increase, such as 0,3,7 (layers 0-2 and 3-6)"
+        )
+    return values
 
 
 def per_stage(values: list[float] | None, n_stages: int, what: str) -> list[float] | None:

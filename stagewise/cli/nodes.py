@@ -10,7 +10,7 @@ from typing import Any
 from stagewise.cli import args, train
 from stagewise.run.node_launch import node_launch
 
-USAGE = "stagewise nodes --nnodes 2 --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID train --model ... --stages ... --dp ..."
+USAGE = "stagewise nodes --nnodes 2 --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID train --model ... --pp ... --dp ..."
 
 
 def add(commands: Any) -> None:
@@ -19,7 +19,7 @@ def add(commands: Any) -> None:
         help="print the torchrun command each node runs for a train job on several nodes",
         description="Print the torchrun command that each node runs for a train job on several nodes (the same "
         "command on every node; torchrun's c10d rendezvous numbers the nodes). The train flags are checked as "
-        "train checks them, and the job's processes (--stages x --dp x --fsdp x --tp) are spread evenly over the "
+        "train checks them, and the job's processes (--pp x --dp x --fsdp x --tp) are spread evenly over the "
         "nodes. It starts nothing. Anyone who reaches the endpoint can join or disturb the job: keep the nodes on "
         "a trusted network, and give each job an id of its own.",
         usage=USAGE,
@@ -66,7 +66,7 @@ def _train_flags(ns: argparse.Namespace) -> argparse.Namespace:
 
 def run(ns: argparse.Namespace) -> int:
     parsed = _train_flags(ns)
-    config = train.config_of(parsed, parsed.out)
+    config = train.config_of(parsed)
     launch = node_launch(
         config, ns.nnodes, ns.rdzv_endpoint, ns.rdzv_id, tuple(ns.train[1:]),
         procs_per_node=ns.nproc_per_node, max_restarts=ns.max_restarts,

@@ -1,9 +1,12 @@
-"""``stagewise train``: the main job, on local processes by default, or as one rank of a torchrun job."""
+"""``stagewise train``: the main job, on local processes by default, or as one rank of a torchrun job.
+
+Each setting of the run is a flag named as its key in the job file (:mod:`stagewise.run.job`): ``--config``
+reads a job file, flags given override it, ``--print-config`` prints what the run would use.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import math
 import os
@@ -18,16 +21,25 @@ from stagewise.cli import args
 from stagewise.cli.args import JobFailedError
 from stagewise.cli.progress import Progress
 from stagewise.cli.run_report import report
-from stagewise.comm import LaunchError, Layout, launch
-from stagewise.models import PRESETS, GPTConfig
-from stagewise.plan.plan_file import read_plan
-from stagewise.run import Optimizer, Summary, TrainConfig, preflight, train
+from stagewise.comm import LaunchError, launch
+from stagewise.models import PRESETS
+from stagewise.pipeline import NonFinite
+from stagewise.run import Optimizer, Summary, TrainConfig, preflight
 from stagewise.run.data import needs_tokenizing, prepared, tokenizer_of
 from stagewise.run.documents import files
+from stagewise.run.job import config_text, resolved
+from stagewise.run.rank import run_rank
 from stagewise.run.resume import check_resume, fresh_run_refused
-from stagewise.run.runs import LATEST, ROOT, latest_run, new_run
-from stagewise.run.stopping import StopSignals
-from stagewise.run.user_model import UserModel, model_of
+from stagewise.run.runs import (
+    IN_RUN_FOLDER,
+    LATEST,
+    ROOT,
+    chosen_folder,
+    in_folder,
+    keep_config,
+    made_folder,
+    writable,
+)
 from stagewise.schedule import ScheduleName
 
 DEFAULTS = TrainConfig()
@@ -35,15 +47,9 @@ TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 """The loggers of torch's agent, which the launching process quiets unless asked to be verbose."""
 TOKENS = "tokens"
 """Where under the runs' root the data a run tokenized is kept, one token file per corpus and tokenizer."""
-METRICS = "metrics.jsonl"
-"""The run folder's file of metrics: one JSON line per step and evaluation."""
-IN_RUN_FOLDER = "RUN/checkpoints"
-"""--checkpoint-dir's default: ``checkpoints/`` in the run's folder, whichever it is."""
-PLANNED = (
-    "model", "stages", "dp", "fsdp", "tp", "virtual", "schedule", "microbatches", "batch_size",
-    "activation_checkpointing", "seq_len", "optimizer",
-)  # fmt: skip
-"""The settings a --plan makes; their flags default to None (given: a value, even the default's)."""
+COMMAND_ONLY = ("config", "print_config", "plan", "out", "max_restarts", "pin_cores", "command", "verbose")
+"""The flags that are not settings of the run: where its settings and its folder come from, and how local
+processes start."""
 
 
 def add(commands: Any) -> None:
@@ -51,18 +57,80 @@ def add(commands: Any) -> None:
         "train",
         help="train a model with a pipeline (the main job)",
         description="Train a model (a preset, or your own) split into pipeline stages. Without torchrun it starts "
-        "stages x dp x fsdp x tp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
-        "under torchrun each process is one rank, so several nodes are plain torchrun.",
+        "pp x dp x fsdp x tp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
+        "under torchrun each process is one rank, so several nodes are plain torchrun. Every setting is also a key "
+        "of a job file (--config run.toml), named as the flag.",
+        argument_default=argparse.SUPPRESS,  # a flag not given is absent: the job file's or the default applies
     )
+    p.add_argument(
+        "--config", type=Path, default=None, metavar="TOML",
+        help="a job file: the run's settings in sections, as --print-config prints them; flags override it",
+    )  # fmt: skip
+    p.add_argument(
+        "--print-config", action="store_true", default=False,
+        help="print the settings this command would train with, as a job file, and exit",
+    )  # fmt: skip
+    _model_and_data(p)
+    _layout_and_schedule(p)
+    _optimizer_and_compute(p)
+    _checkpoints_and_logging(p)
+    p.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="restart all local processes this often after a failure, resuming from the latest checkpoint",
+    )  # fmt: skip
+    p.add_argument(
+        "--pin-cores", action="store_true", default=False,
+        help="give each local process its own share of the CPUs (fewer stalls in gloo's threads on a busy CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--plan", type=Path, default=None, help="a plan from `stagewise plan --json` (sets the layout it chose)"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help=f"this run's folder: config.toml, summary.json, loss.png, metrics.jsonl, checkpoints/ (default: a new "
+        f"folder per run under {ROOT}/, linked as {ROOT}/{LATEST}; under torchrun, {ROOT}/ itself)",
+    )  # fmt: skip
+
+
+def _model_and_data(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    # The layout's flags default to None, so that a --plan can tell a flag given (even as the default) from none.
     p.add_argument(
         "--model", type=args.model_name,
         help=f"a preset ({', '.join(sorted(PRESETS))}), hf:DIR (a local Hugging Face folder: its config and weights) "
         f"or MODULE:FACTORY (a function returning a language model); default {d.model}",
     )  # fmt: skip
-    p.add_argument("--stages", type=args.positive_int, help=f"pipeline ranks (default {d.stages})")
-    p.add_argument("--virtual", type=args.positive_int, help=f"stages per rank, interleaved (default {d.virtual})")
+    p.add_argument("--seq-len", type=args.positive_int, help=f"tokens per sequence (default {d.seq_len})")
+    p.add_argument("--seed", type=args.seed, help=f"seed of the weights and the data order (default {d.seed})")
+    p.add_argument(
+        "--data",
+        help="a text file or folder, .jsonl, .parquet or .csv files, a folder save_to_disk wrote (datasets), or a "
+        "token file (stagewise tokenize); default: the Python standard library's source, as bytes",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokenizer",
+        help="a Hugging Face tokenizer's folder, or bytes (default: an hf:DIR model's own, else bytes); data it "
+        "reads is tokenized once into stagewise-run/tokens/",
+    )  # fmt: skip
+    p.add_argument("--data-field", help=f"the field of a JSON line that holds the text (default {d.data_field})")
+    p.add_argument(
+        "--data-column",
+        help=f"the column that holds the text (Parquet, CSV, a saved dataset; default {d.data_column})",
+    )  # fmt: skip
+    p.add_argument(
+        "--data-limit", type=args.size, metavar="SIZE",
+        help="read at most this much of the text, e.g. 64MiB (default: all of --data, 8 MiB of the stdlib source)",
+    )  # fmt: skip
+    p.add_argument(
+        "--document-masking", action="store_true",
+        help="keep packed documents apart: attention within each document, positions from its start, no loss "
+        "across its end (GPT presets; Hugging Face models through position_ids); the data is tokenized into a token "
+        "file, which knows its documents",
+    )  # fmt: skip
+
+
+def _layout_and_schedule(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--pp", type=args.positive_int, help=f"pipeline ranks (default {d.pp})")
     p.add_argument("--dp", type=args.positive_int, help=f"data-parallel replicas of the pipeline (default {d.dp})")
     p.add_argument(
         "--fsdp", type=args.positive_int,
@@ -73,68 +141,52 @@ def add(commands: Any) -> None:
         "--tp", type=args.positive_int,
         help=f"ranks each layer is split over (tensor parallelism, GPT presets; default {d.tp})",
     )  # fmt: skip
+    p.add_argument("--virtual", type=args.positive_int, help=f"stages per rank, interleaved (default {d.virtual})")
+    p.add_argument(
+        "--partition", type=args.bounds, metavar="BOUNDS",
+        help="the stage bounds of the layers, e.g. 0,3,7 (default: split exactly by FLOPs)",
+    )  # fmt: skip
     p.add_argument("--schedule", choices=get_args(ScheduleName), help=f"pipeline schedule (default {d.schedule})")
     p.add_argument("--microbatches", type=args.positive_int, help=f"micro-batches per step (default {d.microbatches})")
     p.add_argument("--batch-size", type=args.positive_int, help=f"global batch, samples (default {d.batch_size})")
-    p.add_argument(
-        "--seq-len", type=args.positive_int, default=None, help=f"tokens per sequence (GPT; default {d.seq_len})"
-    )
-    p.add_argument("--steps", type=args.positive_int, default=d.steps, help="optimizer steps (the schedule's length)")
-    p.add_argument("--stop-after", type=args.positive_int, default=None, help="end after this step (resume later)")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (warm-up, then cosine to lr/10)")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps")
+
+
+def _optimizer_and_compute(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
     p.add_argument("--optimizer", choices=get_args(Optimizer), help=f"optimizer (default {d.optimizer})")
-    p.add_argument("--clip", type=float, default=d.clip, help="gradient norm clip (0: off)")
-    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
+    p.add_argument("--lr", type=float, help=f"peak learning rate: warm-up, then cosine to lr/10 (default {d.lr})")
+    p.add_argument("--warmup", type=int, help=f"warm-up steps (default {d.warmup})")
     p.add_argument(
-        "--activation-checkpointing", action="store_true", default=None, help="recompute activations in backward"
+        "--steps", type=args.positive_int, help=f"optimizer steps, the schedule's length (default {d.steps})"
     )
+    p.add_argument("--clip", type=float, help=f"gradient norm clip, 0: off (default {d.clip})")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
     p.add_argument(
         "--compile", action="store_true",
         help="compile each layer with torch.compile (inductor; the first step compiles, for seconds to minutes)",
     )  # fmt: skip
     p.add_argument(
-        "--weight-grad-pool", dest="weight_gradient_pool", type=args.pool, default="free", metavar="K",
+        "--no-weight-gradient-fusion", dest="weight_gradient_fusion", action="store_false",
+        help="leave weight-gradient accumulation to autograd (default: large linear weights accumulate in backward)",
+    )  # fmt: skip
+    p.add_argument(
+        "--weight-gradient-pool", type=args.pool, metavar="K",
         help="pool K backwards' weight gradients into one GEMM per weight, or 'free' (the default): as many as "
         "fit in the pipeline's peak of micro-batches in flight (a whole step for gpipe, r + 1 on rank r for 1f1b; "
         "zero-bubble and activation checkpointing never pool)",
     )  # fmt: skip
+
+
+def _checkpoints_and_logging(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--eval-every", type=int, help=f"validate every N steps, 0: at the end (default {d.eval_every})")
+    p.add_argument("--eval-batches", type=args.positive_int, help=f"validation batches (default {d.eval_batches})")
     p.add_argument(
-        "--no-weight-grad-fusion", dest="weight_gradient_fusion", action="store_false",
-        help="leave weight-gradient accumulation to autograd (default: large linear weights accumulate in backward)",
-    )  # fmt: skip
-    p.add_argument("--seed", type=args.seed, default=d.seed, help="seed of the weights and the data order")
-    p.add_argument(
-        "--data", default=d.data,
-        help="a text file or folder, .jsonl, .parquet or .csv files, a folder save_to_disk wrote (datasets), or a "
-        "token file (stagewise tokenize); default: the Python standard library's source, as bytes",
-    )  # fmt: skip
-    p.add_argument(
-        "--tokenizer", default=None,
-        help="a Hugging Face tokenizer's folder, or bytes (default: an hf:DIR model's own, else bytes); data it "
-        "reads is tokenized once into stagewise-run/tokens/",
-    )  # fmt: skip
-    p.add_argument("--data-field", default=d.data_field, help="the field of a JSON line that holds the text")
-    p.add_argument(
-        "--data-column", default=d.data_column, help="the column that holds the text (Parquet, CSV, a saved dataset)"
-    )
-    p.add_argument(
-        "--data-limit", type=args.size, default=None, metavar="SIZE",
-        help="read at most this much of the text, e.g. 64MiB (default: all of --data, 8 MiB of the stdlib source)",
-    )  # fmt: skip
-    p.add_argument(
-        "--document-masking", action="store_true",
-        help="keep packed documents apart: attention within each document, positions from its start, no loss "
-        "across its end (GPT presets; Hugging Face models through position_ids); the data is tokenized into a token "
-        "file, which knows its documents",
-    )  # fmt: skip
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="validate every N steps (0: at the end)")
-    p.add_argument("--eval-batches", type=args.positive_int, default=d.eval_batches, help="validation batches")
-    p.add_argument(
-        "--checkpoint-dir", default=IN_RUN_FOLDER, help="write checkpoints here (default: checkpoints/ in --out)"
+        "--checkpoint-dir", help=f"write checkpoints here (default: {IN_RUN_FOLDER['checkpoint_dir']}, in --out)"
     )
     p.add_argument("--no-checkpoints", dest="checkpoint_dir", action="store_const", const=None, help="write none")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="save every N steps (0: at end)")
+    p.add_argument("--checkpoint-every", type=int, help="save every N steps (default: 0, at the end)")
     p.add_argument(
         "--checkpoint-async", action="store_true",
         help="save in the background: the state is copied to host memory at the step's end and written while "
@@ -149,157 +201,50 @@ def add(commands: Any) -> None:
         "--resume", action="store_true",
         help=f"continue the latest run ({ROOT}/{LATEST}, or the run in --out) from its latest checkpoint",
     )  # fmt: skip
-    p.add_argument("--trace", default=d.trace, help="write a Chrome trace of the last step here (per rank)")
+    p.add_argument("--stop-after", type=args.positive_int, help="end after this step (resume later)")
     p.add_argument(
-        "--tensorboard", action="store_true",
-        help="also write the metrics for TensorBoard, into tensorboard/ in the run's folder (the tensorboard extra)",
-    )  # fmt: skip
-    p.add_argument(
-        "--wandb", action="store_true",
-        help="also log the metrics to an offline Weights & Biases run in wandb/ in the run's folder (the wandb "
-        "extra; WANDB_MODE=online to upload as it goes)",
-    )  # fmt: skip
-    p.add_argument(
-        "--log-every", type=args.positive_int, default=d.log_every, metavar="N",
-        help="where the output is no terminal (a log file), print a line every N steps instead of a progress bar",
-    )  # fmt: skip
-    p.add_argument(
-        "--skip-nonfinite", dest="nonfinite", action="store_const", const="skip", default="raise",
-        help="skip a step whose loss is NaN or infinite (default: stop with an error naming it)",
-    )  # fmt: skip
-    p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a rank waits for another")
-    p.add_argument(
-        "--max-restarts", type=int, default=0,
-        help="restart all local processes this often after a failure, resuming from the latest checkpoint",
-    )  # fmt: skip
-    p.add_argument(
-        "--pin-cores", action="store_true",
-        help="give each local process its own share of the CPUs (fewer stalls in gloo's threads on a busy CPU)",
-    )  # fmt: skip
-    p.add_argument("--plan", type=Path, default=None, help="a plan from `stagewise plan --json` (sets the layout)")
-    p.add_argument(
-        "--out", type=Path, default=None,
-        help=f"this run's folder: summary.json, loss.png, checkpoints/ (default: a new folder per run under {ROOT}/, "
-        f"linked as {ROOT}/{LATEST}; under torchrun, {ROOT}/ itself)",
-    )  # fmt: skip
-
-
-def config_of(ns: argparse.Namespace, folder: Path | None = None) -> TrainConfig:
-    """The TrainConfig that ``stagewise train``'s parsed arguments ask for, writing into the run ``folder`` (None:
-    one to be made); a ``--plan`` sets the layout."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(ns).items() if k in names and not (k in PLANNED and v is None)}
-    if values.get("checkpoint_dir") == IN_RUN_FOLDER:
-        values["checkpoint_dir"] = str((folder or ROOT / "new") / "checkpoints")
-    if ns.checkpoint_every and ns.checkpoint_dir is None:
-        raise ValueError(
-            f"--checkpoint-every {ns.checkpoint_every} saves checkpoints, but --no-checkpoints writes none; "
-            "leave one of them out"
-        )
-    if ns.plan is not None:  # checked field by field; a MODULE:FACTORY only as the command line's --model
-        values.update(_planned(read_plan(ns.plan, model=values.get("model")), values))
-    model = values.get("model", TrainConfig.model)
-    text = (
-        ("--seq-len", ns.seq_len),
-        ("--data", ns.data),
-        ("--data-limit", ns.data_limit),
-        ("--document-masking", ns.document_masking or None),
-        ("--tokenizer", ns.tokenizer),
+        "--metrics", metavar="PATH", help=f"append each step's metrics here (default {IN_RUN_FOLDER['metrics']})"
     )
-    given = [flag for flag, value in text if value is not None]
-    if ns.data_limit is not None:
-        values["data_limit"] = math.ceil(ns.data_limit)
-    if not isinstance(model_of(model), (GPTConfig, UserModel)) and given:
-        flag = given[0]
-        raise ValueError(
-            f"{flag} applies to language models, which read text; {model} trains on data of its own: "
-            f"leave {flag} out, or choose a gpt-* model"
-        )
-    return TrainConfig(**values)
+    p.add_argument(
+        "--tensorboard", nargs="?", const="RUN/tensorboard", metavar="DIR",
+        help="also write the metrics for TensorBoard, by default into tensorboard/ in the run's folder (the "
+        "tensorboard extra)",
+    )  # fmt: skip
+    p.add_argument(
+        "--wandb", nargs="?", const="RUN/wandb", metavar="DIR",
+        help="also log the metrics to an offline Weights & Biases run, by default in wandb/ in the run's folder (the "
+        "wandb extra; WANDB_MODE=online to upload as it goes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--log-every", type=args.positive_int, metavar="N",
+        help=f"where the output is no terminal (a log file), print a line every N steps instead of a progress bar "
+        f"(default {d.log_every})",
+    )  # fmt: skip
+    p.add_argument("--trace", help="write a Chrome trace of the last step here (per rank)")
+    p.add_argument(
+        "--nonfinite", choices=get_args(NonFinite),
+        help="on a NaN or infinite loss, stop with an error naming it (raise, the default) or skip the step",
+    )  # fmt: skip
+    p.add_argument("--timeout", type=float, help=f"seconds a rank waits for another (default {d.timeout:g})")
 
 
-def _planned(chosen: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """The settings a plan makes (``chosen``, checked field by field by :func:`~stagewise.plan.plan_file.load_plan`);
-    a flag given with another value than the plan's is refused."""
-    planned = {key: chosen[key] for key in ("model", "stages", "dp", "virtual", "schedule", "microbatches")}
-    planned["fsdp"], planned["tp"] = chosen.get("fsdp", 1), chosen.get("tp", 1)  # plans from before they were searched
-    planned["batch_size"] = chosen["batch_size"]
-    planned["activation_checkpointing"] = chosen.get("activation_checkpointing", False)  # a JSON boolean
-    planned["partition"] = tuple(chosen["partition"])
-    if chosen.get("schedule_text"):  # a schedule synthesised for the planned stages (plan --synthesise)
-        planned["schedule_text"] = chosen["schedule_text"]
-    for key in ("seq_len", "optimizer"):  # plans of other presets, and older plans, may leave these out
-        if chosen.get(key):
-            planned[key] = chosen[key]
-    clashes = [
-        f"--{key.replace('_', '-')} {given[key]} (the plan's: {value})"
-        for key, value in planned.items()
-        if given.get(key) is not None and given[key] != value
-    ]
-    if clashes:
-        raise ValueError(
-            f"--plan sets the layout, but {', '.join(clashes)} asks for another; leave those flags out to train "
-            "the plan, or plan again with them (stagewise plan --json)"
-        )
-    return planned
+def config_of(ns: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig that ``stagewise train``'s parsed arguments ask for: the defaults, its job file, its plan,
+    then its flags (see :func:`~stagewise.run.job.resolved`); paths in the run's folder are still ``RUN/...``."""
+    given = {k: v for k, v in vars(ns).items() if k not in COMMAND_ONLY}
+    if "data_limit" in given:
+        given["data_limit"] = math.ceil(given["data_limit"])
+    return resolved(given, defaults=IN_RUN_FOLDER, job_file=ns.config, plan_file=ns.plan)
 
 
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
 
 
-def run_rank(config: TrainConfig, verbose: bool = False) -> Summary:
-    """One rank's part of ``train``: rank 0 shows the layout and the progress
-    (:class:`~stagewise.cli.progress.Progress`); ``verbose`` logs debug messages (a launched process configures its
-    logging anew)."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING, format=args.LOG_FORMAT)
-    shown = Progress(config) if int(os.environ.get("RANK", "0")) == 0 else None
-    try:
-        with StopSignals() as stop:
-            summary = train(
-                config,
-                on_start=shown.started if shown else None,
-                on_step=shown.stepped if shown else None,
-                stop=stop,
-            )
-    finally:
-        if shown is not None:
-            shown.close()
-    # The job is over on every rank: release its groups (NCCL warns of a leak at exit for one left open).
-    torch.distributed.destroy_process_group()
-    return summary
-
-
-def _writable(flag: str, folder: Path) -> None:
-    """Make ``folder`` now, so that an output that cannot be written fails before training, not after it."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ValueError(f"{flag}: cannot make the folder {folder} ({err.strerror}); choose a writable one") from err
-
-
-def _chosen_folder(ns: argparse.Namespace, torchrun: bool) -> Path | None:
-    """The run's folder when the command names one: --out, the latest run for --resume, or under torchrun the
-    root (every rank must name the same folder); None: a new one, made once everything is checked."""
-    if ns.out is not None:
-        return Path(ns.out)
-    if torchrun:
-        return ROOT
-    if ns.resume and ns.checkpoint_dir == IN_RUN_FOLDER:  # the run's checkpoints are in its folder: find it
-        found = latest_run(ROOT)
-        if found is None:
-            raise ValueError(
-                f"--resume continues the latest run in {ROOT}/, but there is none there; start one without --resume, "
-                "or name the run's folder with --out"
-            )
-        return found
-    return None
-
-
 def _checked_before_start(ns: argparse.Namespace, config: TrainConfig, torchrun: bool) -> None:
     """What the ranks would refuse, checked here first: a bad value is one line, not a traceback per rank."""
     if config.trace is not None:
-        _writable("--trace", Path(config.trace).parent)
+        writable("--trace", Path(config.trace).parent)
     if ns.max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if torchrun and ns.pin_cores:
@@ -320,25 +265,6 @@ def _checked_before_start(ns: argparse.Namespace, config: TrainConfig, torchrun:
         raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
 
 
-def _made_folder(ns: argparse.Namespace, config: TrainConfig, chosen: Path | None) -> tuple[Path, TrainConfig]:
-    """The run's folder, made now (a new one when none was chosen), and the config writing its checkpoints and
-    metrics there."""
-    if chosen is not None:
-        _writable("--out", chosen)
-        out = chosen
-    else:
-        _writable("--out", ROOT)
-        out = new_run(ROOT)
-        if ns.checkpoint_dir == IN_RUN_FOLDER:
-            config = dataclasses.replace(config, checkpoint_dir=str(out / "checkpoints"))
-    return out, dataclasses.replace(
-        config,
-        metrics=str(out / METRICS),
-        tensorboard=str(out / "tensorboard") if ns.tensorboard else None,
-        wandb=str(out / "wandb") if ns.wandb else None,
-    )
-
-
 def crowding(processes: int, cores: int | None = None) -> str | None:
     """Why ``processes`` local processes on ``cores`` CPU cores (this process's, by default) will be slow, if so."""
     if cores is None:
@@ -347,17 +273,8 @@ def crowding(processes: int, cores: int | None = None) -> str | None:
         return None
     return (
         f"{processes} processes share {cores} CPU cores, so each step waits for processes that are not running; "
-        f"at most {cores} processes (--stages x --dp x --fsdp x --tp) run at full speed"
+        f"at most {cores} processes (--pp x --dp x --fsdp x --tp) run at full speed"
     )
-
-
-def _layout(config: TrainConfig) -> str:
-    """``2 stages x dp 1``, with ``x fsdp N x tp N`` where they are not 1."""
-    text = f"{config.stages} stages x dp {config.dp}"
-    for name in ("fsdp", "tp"):
-        if getattr(config, name) > 1:
-            text += f" x {name} {getattr(config, name)}"
-    return text
 
 
 def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[int, Summary]:
@@ -375,10 +292,11 @@ def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[in
             config.world_size,
             config,
             verbose,
+            Progress,
             device="auto" if gpus >= config.world_size else "cpu",
             tee=False,
             max_restarts=ns.max_restarts,
-            layout=Layout(config.stages, config.dp, config.fsdp, config.tp),
+            layout=config.layout,
             pin_cores=ns.pin_cores,
             pass_stop_signals=True,
         )
@@ -416,20 +334,26 @@ def _tokenized(config: TrainConfig) -> TrainConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
+    config = config_of(ns)
+    if ns.print_config:
+        print(config_text(config), end="")
+        return 0
     torchrun = _under_torchrun()
-    chosen = _chosen_folder(ns, torchrun)
-    config = config_of(ns, chosen)
+    chosen = chosen_folder(ns.out, config, torchrun=torchrun)
     if not torchrun:
         config = _tokenized(config)
-    _checked_before_start(ns, config, torchrun)
-    out, config = _made_folder(ns, config, chosen)
+    _checked_before_start(ns, in_folder(config, chosen or ROOT / "new"), torchrun)
+    out = made_folder(chosen)
+    config = in_folder(config, out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        keep_config(out, config)
     if torchrun:
         _say_where_nodes_meet()
-        summary = run_rank(config)
+        summary = run_rank(config, reporter=Progress)
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     else:
-        print(f"stagewise train: {config.world_size} local processes ({_layout(config)}), run folder {out}",
+        print(f"stagewise train: {config.world_size} local processes ({config.layout.describe()}), run folder {out}",
               flush=True)  # fmt: skip
         crowded = crowding(config.world_size)
         if crowded is not None and not torch.cuda.is_available():

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from stagewise.partition import Partition
+from stagewise.plan.plan_file import sectioned
 from stagewise.plan.workload import Workload
 from stagewise.schedule import ScheduleName
 from stagewise.schedule.simulate import SimulationResult
@@ -77,33 +78,32 @@ class Plan:
         optimizer: str | None = None,
         schedule_text: str | None = None,
     ) -> str:
-        """The best option as the JSON that ``stagewise train --plan`` reads; with ``schedule_text``, a schedule
-        (synthesised for its stages) that train runs instead of the option's."""
+        """The best option as the JSON that ``stagewise train --plan`` reads, in a job file's sections and names
+        (see :mod:`stagewise.plan.plan_file`); with ``schedule_text``, a schedule (synthesised for its stages) that
+        train runs instead of the option's."""
         best = self.best
         if best is None or best.partition is None:
             raise ValueError("no layout fits, so there is no plan to write")
-        return json.dumps(
-            {
-                "model": model,
-                "stages": best.pp,
-                "dp": best.dp,
-                "fsdp": best.fsdp,
-                "tp": best.tp,
-                "virtual": best.n_virtual,
-                "schedule": best.schedule,
-                "microbatches": best.n_microbatches,
-                "batch_size": workload.global_batch,
-                "seq_len": seq_len,
-                "activation_checkpointing": best.activation_checkpointing,
-                "optimizer": optimizer,
-                "partition": list(best.partition.bounds),
-                **({"schedule_text": schedule_text} if schedule_text is not None else {}),
-                "predicted": {
-                    "step_time": best.step_time,
-                    "bubble": best.bubble,
-                    "rank_memory": list(best.rank_memory),
-                    "rank_activation": list(best.rank_activation),
-                },
+        fields = {
+            "model": model,
+            "seq_len": seq_len,
+            "pp": best.pp,
+            "dp": best.dp,
+            "fsdp": best.fsdp,
+            "tp": best.tp,
+            "virtual": best.n_virtual,
+            "partition": list(best.partition.bounds),
+            "schedule": best.schedule,
+            **({"schedule_text": schedule_text} if schedule_text is not None else {}),
+            "microbatches": best.n_microbatches,
+            "batch_size": workload.global_batch,
+            "optimizer": optimizer,
+            "activation_checkpointing": best.activation_checkpointing,
+            "predicted": {
+                "step_time": best.step_time,
+                "bubble": best.bubble,
+                "rank_memory": list(best.rank_memory),
+                "rank_activation": list(best.rank_activation),
             },
-            indent=1,
-        )
+        }
+        return json.dumps(sectioned(fields), indent=1)

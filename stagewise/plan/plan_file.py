@@ -1,5 +1,10 @@
 """The plan file: what ``stagewise plan --json`` writes and ``stagewise train --plan`` reads, field by field.
 
+It holds the settings a plan chooses in the sections and under the names of a job file
+(:mod:`stagewise.run.job`): ``{"model": {"model": ..., "seq_len": ...}, "layout": {"pp": ..., "dp": ...,
+"partition": [...]}, "schedule": {...}, "compute": {...}, "optimizer": {...}}``, and the planner's
+predictions under ``"predicted"``.
+
 A plan file is data from somewhere else, so each field is checked for its type and range before anything is built
 from it, and a refusal is one line naming the field, its value and the fix. It names no code: its model is a
 preset or ``hf:DIR``, never ``MODULE:FACTORY``, which would be imported and run in the launcher and on every rank;
@@ -46,6 +51,8 @@ class PlanField:
     or be null."""
 
     name: str
+    section: str
+    """The section of the job file (and of the plan file) that holds it; ``predicted`` is a section of its own."""
     expects: str
     """What a value must be, completing "... is not <expects>"."""
     accepts: Callable[[Any], bool]
@@ -101,27 +108,30 @@ COUNT = "a whole number >= 1 (a JSON integer)"
 FIELDS: tuple[PlanField, ...] = (
     PlanField(
         "model",
+        "model",
         f'a preset ({_quoted(tuple(sorted(PRESETS)))}) or "hf:DIR" (a local Hugging Face folder)',
         _model,
         fix="name a preset or hf:DIR; a MODULE:FACTORY is given on the command line (--model)",
     ),
-    PlanField("stages", COUNT, _count),
-    PlanField("dp", COUNT, _count),
-    PlanField("fsdp", COUNT, _count, required=False),
-    PlanField("tp", COUNT, _count, required=False),
-    PlanField("virtual", COUNT, _count),
-    PlanField("schedule", f"one of {_quoted(SCHEDULES)}", _one_of(SCHEDULES)),
-    PlanField("microbatches", COUNT, _count),
-    PlanField("batch_size", COUNT, _count),
-    PlanField("seq_len", f"{COUNT} or null", _count, required=False, nullable=True),
+    PlanField("pp", "layout", COUNT, _count),
+    PlanField("dp", "layout", COUNT, _count),
+    PlanField("fsdp", "layout", COUNT, _count, required=False),
+    PlanField("tp", "layout", COUNT, _count, required=False),
+    PlanField("virtual", "layout", COUNT, _count),
+    PlanField("schedule", "schedule", f"one of {_quoted(SCHEDULES)}", _one_of(SCHEDULES)),
+    PlanField("microbatches", "schedule", COUNT, _count),
+    PlanField("batch_size", "schedule", COUNT, _count),
+    PlanField("seq_len", "model", f"{COUNT} or null", _count, required=False, nullable=True),
     PlanField(
         "activation_checkpointing",
+        "compute",
         "true or false (a JSON boolean)",
         lambda value: isinstance(value, bool),
         required=False,
         fix="write true or false, without quotes",
     ),
     PlanField(
+        "optimizer",
         "optimizer",
         f"one of {_quoted(OPTIMIZERS)}, or null",
         _one_of(OPTIMIZERS),
@@ -131,12 +141,14 @@ FIELDS: tuple[PlanField, ...] = (
     ),
     PlanField(
         "partition",
+        "layout",
         "a list of whole numbers (JSON integers) that starts at 0 and increases strictly",
         _bounds,
         fix="give the stage bounds of the layers, e.g. [0, 3, 7] for layers 0-2 and 3-6",
     ),
     PlanField(
         "schedule_text",
+        "schedule",
         "a schedule's text (a JSON string, 'rank 0: 0F0 0B0 ...' per rank), or null",
         lambda value: isinstance(value, str),
         required=False,
@@ -144,13 +156,65 @@ FIELDS: tuple[PlanField, ...] = (
     ),
     PlanField(
         "predicted",
+        "predicted",
         "an object of numbers and lists of numbers (the planner's predictions)",
         _predicted,
         required=False,
     ),
 )
-"""The plan file's fields, in the order :meth:`~stagewise.plan.Plan.to_json` writes them; no other is taken."""
+"""The plan file's fields, in the order :meth:`~stagewise.plan.Plan.to_json` writes each section's; no other is
+taken."""
 _BY_NAME = {f.name: f for f in FIELDS}
+SECTIONS: tuple[str, ...] = ("model", "layout", "schedule", "optimizer", "compute", "predicted")
+"""The plan file's sections, in the order they are written: a job file's (:data:`stagewise.run.job.SECTIONS`),
+and the planner's predictions."""
+
+
+def sectioned(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's ``fields`` by name, as the plan file holds them: in their sections (the predictions as they are)."""
+    out: dict[str, Any] = {}
+    for section in SECTIONS:
+        named = {f.name: fields[f.name] for f in FIELDS if f.section == section and f.name in fields}
+        if section == "predicted" and "predicted" in named:
+            out[section] = named["predicted"]
+        elif named:
+            out[section] = named
+    return out
+
+
+def _flattened(data: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a plan file's sections, by name; a section or a field out of its place is refused."""
+    unknown = [name for name in data if name not in SECTIONS]
+    if unknown:
+        if any(name in _BY_NAME for name in unknown):
+            raise ValueError(
+                f"the plan holds {unknown} outside the sections a plan holds them in ({list(SECTIONS[:-1])}): an "
+                f"earlier stagewise wrote it; {_REWRITE}"
+            )
+        raise ValueError(
+            f"the plan has sections train does not know: {unknown}; a plan holds only {list(SECTIONS)}: remove "
+            f"them, or {_REWRITE}"
+        )
+    fields: dict[str, Any] = {}
+    for section, table in data.items():
+        if section == "predicted":
+            fields[section] = table
+            continue
+        if not isinstance(table, dict):
+            raise refusal(section, table, "not a section (a JSON object of fields)")
+        for name, value in table.items():
+            spec = _BY_NAME.get(name)
+            if spec is None:
+                raise ValueError(
+                    f'the plan has fields train does not know: ["{section}"]["{name}"]; a plan holds only '
+                    f"{[f.name for f in FIELDS]}: remove them, or {_REWRITE}"
+                )
+            if spec.section != section:
+                raise ValueError(
+                    f'the plan holds "{name}" in "{section}", but it belongs in "{spec.section}"; {_REWRITE}'
+                )
+            fields[name] = value
+    return fields
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -188,7 +252,7 @@ def read_plan(path: str | Path, *, model: str | None = None) -> dict[str, Any]:
 
 def load_plan(text: str, *, model: str | None = None) -> dict[str, Any]:
     """A plan written by :meth:`~stagewise.plan.Plan.to_json`, every field checked against :data:`FIELDS`; returned
-    as it was written.
+    by field name (out of its sections), each value as it was written.
 
     ``model``: the model the command line names (trusted, unlike the file); a plan that names this same
     ``MODULE:FACTORY`` is taken, any other factory refused.
@@ -196,22 +260,17 @@ def load_plan(text: str, *, model: str | None = None) -> dict[str, Any]:
     Raises:
         ValueError: one line naming the field, its value and the fix.
     """
-    data = _parsed(text)
-    if "bounds" in data and "stages" not in data:
+    raw = _parsed(text)
+    if "bounds" in raw and "layout" not in raw:
         raise ValueError(
-            f"this is a partition (stagewise partition --json: the stage bounds {shown(data['bounds'])} alone), not "
+            f"this is a partition (stagewise partition --json: the stage bounds {shown(raw['bounds'])} alone), not "
             "a plan, which also holds the model, the layout and the batch; write one with `stagewise plan --json "
             "PLAN`, or pass the bounds to train as TrainConfig(partition=...)"
         )
+    data = _flattened(raw)
     missing = [f.name for f in FIELDS if f.required and f.name not in data]
     if missing:
         raise ValueError(f"the plan lacks {missing}; write it with `stagewise plan --json`")
-    unknown = [name for name in data if name not in _BY_NAME]
-    if unknown:
-        raise ValueError(
-            f"the plan has fields train does not know: {unknown}; a plan holds only {[f.name for f in FIELDS]}: "
-            f"remove them, or {_REWRITE}"
-        )
     _check_factory(data["model"], model)
     for name, value in data.items():
         spec = _BY_NAME[name]
@@ -219,15 +278,15 @@ def load_plan(text: str, *, model: str | None = None) -> dict[str, Any]:
             continue
         if not ((value is None and spec.nullable) or spec.accepts(value)):
             raise refusal(name, value, f"not {spec.expects}", spec.fix)
-    n_stages = data["stages"] * data["virtual"]
+    n_stages = data["pp"] * data["virtual"]
     if len(data["partition"]) != n_stages + 1:
         raise refusal(
             "partition", data["partition"],
-            f"bounds of {len(data['partition']) - 1} stages, but stages x virtual = {data['stages']} x "
+            f"bounds of {len(data['partition']) - 1} stages, but pp x virtual = {data['pp']} x "
             f"{data['virtual']} = {n_stages}", f"give {n_stages + 1} bounds, or {_REWRITE}",
         )  # fmt: skip
     if data.get("schedule_text") is not None:
-        check_schedule_text(data["schedule_text"], data["stages"], data["virtual"], data["microbatches"])
+        check_schedule_text(data["schedule_text"], data["pp"], data["virtual"], data["microbatches"])
     return data
 
 
@@ -259,7 +318,7 @@ def _parsed(text: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(
             f"the plan is {shown(data)}, a JSON {_JSON_TYPES.get(type(data), 'value')}, not an object of fields "
-            f'("model": ..., "stages": ...); {_REWRITE}'
+            f'("model": {{"model": ...}}, "layout": {{"pp": ...}}, ...); {_REWRITE}'
         )
     return data
 
@@ -276,7 +335,7 @@ def _check_factory(value: Any, trusted: str | None) -> None:
 
 
 def schedule_text_bound(stages: int, virtual: int, microbatches: int) -> tuple[int, int]:
-    """The most actions and characters a schedule text of a layout may hold: ``stages x virtual x microbatches
+    """The most actions and characters a schedule text of a layout may hold: ``pp x virtual x microbatches
     x`` :data:`ACTIONS_PER_MICROBATCH` actions, :data:`CHARS_PER_ACTION` characters each plus
     :data:`COMMENT_CHARS`, and never more than :data:`MAX_SCHEDULE_CHARS`."""
     actions = stages * virtual * microbatches * ACTIONS_PER_MICROBATCH
@@ -308,7 +367,7 @@ def check_schedule_text(text: str, stages: int, virtual: int, microbatches: int)
             if count > most:
                 raise refusal(
                     "schedule_text", text,
-                    f"more than the {most} actions a schedule of {n_stages} stages (stages x virtual) and "
+                    f"more than the {most} actions a schedule of {n_stages} stages (pp x virtual) and "
                     f"{microbatches} micro-batches holds ({ACTIONS_PER_MICROBATCH} per stage and micro-batch)",
                     f"give that layout's schedule, or {_REWRITE}",
                 )  # fmt: skip
@@ -316,7 +375,7 @@ def check_schedule_text(text: str, stages: int, virtual: int, microbatches: int)
                 raise refusal(
                     "schedule_text", text,
                     f"outside the plan's layout at line {number}: {action} runs stage {action.stage} and micro-batch "
-                    f"{action.microbatch}, but the plan has stages 0 .. {n_stages - 1} (stages x virtual) and "
+                    f"{action.microbatch}, but the plan has stages 0 .. {n_stages - 1} (pp x virtual) and "
                     f"micro-batches 0 .. {microbatches - 1}", f"give that layout's schedule, or {_REWRITE}",
                 )  # fmt: skip
     try:
@@ -328,7 +387,7 @@ def check_schedule_text(text: str, stages: int, virtual: int, microbatches: int)
         raise refusal(
             "schedule_text", text,
             f"a schedule of {shape[0]} ranks, {shape[1]} stages and {shape[2]} micro-batches, but the plan has "
-            f"{stages} ranks (stages), {n_stages} stages (x virtual) and {microbatches} micro-batches",
+            f"{stages} ranks (pp), {n_stages} stages (x virtual) and {microbatches} micro-batches",
             f"give that layout's schedule, or {_REWRITE}",
         )  # fmt: skip
     return schedule

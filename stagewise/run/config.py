@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from stagewise.comm.layout import Layout
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
 from stagewise.models import GPTConfig
 from stagewise.pipeline import NonFinite, WeightGradientFusion
@@ -44,12 +45,13 @@ class TrainConfig:
     """Model preset (see ``stagewise.models.PRESETS``), ``hf:DIR`` (a local Hugging Face folder: its config, and
     its weights when it has them) or ``MODULE:FACTORY`` (a function returning a language model); the last two train
     on the text data (see :class:`~stagewise.run.user_model.UserModel`)."""
-    stages: int = 2
-    """Pipeline ranks; with ``virtual`` stages each, the model is split into ``stages * virtual`` stages."""
+    pp: int = 2
+    """Pipeline ranks (the mesh's ``pp``); with ``virtual`` stages each, the model is split into ``pp * virtual``
+    stages."""
     virtual: int = 1
     """Stages per pipeline rank (2 or more for the interleaved schedule)."""
     dp: int = 1
-    """Data-parallel replicas of the whole pipeline; the job runs ``stages * dp * fsdp * tp`` processes."""
+    """Data-parallel replicas of the whole pipeline; the job runs ``pp * dp * fsdp * tp`` processes."""
     fsdp: int = 1
     """Ranks each replica shards its stages' parameters, gradients and optimizer state over (FSDP; with ``dp``:
     HSDP); each takes its own share of the batch."""
@@ -166,15 +168,15 @@ class TrainConfig:
                 "document_masking needs the data's documents, but the default data (the standard library's source "
                 "read as one stream of bytes) marks none; give data: files (one document each), JSON lines or Parquet"
             )
-        if self.partition is not None and len(self.partition) != self.stages * self.virtual + 1:
+        if self.partition is not None and len(self.partition) != self.pp * self.virtual + 1:
             raise ValueError(
-                f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but stages x virtual "
-                f"= {self.stages * self.virtual}; give {self.stages * self.virtual + 1} boundaries"
+                f"the partition {list(self.partition)} has {len(self.partition) - 1} stages, but pp x virtual "
+                f"= {self.pp * self.virtual}; give {self.pp * self.virtual + 1} boundaries"
             )
 
     def _check_numbers(self) -> None:
         for name in (
-            "stages",
+            "pp",
             "virtual",
             "dp",
             "fsdp",
@@ -227,13 +229,18 @@ class TrainConfig:
             raise ValueError("resume needs checkpoint_dir: the folder to resume from")
 
     @property
+    def layout(self) -> Layout:
+        """The run's ``pp x dp x fsdp x tp`` grid of ranks."""
+        return Layout(self.pp, self.dp, self.fsdp, self.tp)
+
+    @property
     def world_size(self) -> int:
-        return self.stages * self.dp * self.fsdp * self.tp
+        return self.layout.world_size
 
     @property
     def batch_shards(self) -> int:
         """Ranks of a stage that each take their own share of the batch: ``dp * fsdp``."""
-        return self.dp * self.fsdp
+        return self.layout.batch_shards
 
     @property
     def tokens_per_sample(self) -> int:

@@ -157,7 +157,7 @@ def preflight(config: TrainConfig) -> None:
     layers = layers_of(_meta_model(config, model_config))
     if config.tp > 1:
         _check_tensor_parallel(config, model_config, layers)
-    n_stages = config.stages * config.virtual
+    n_stages = config.pp * config.virtual
     part = (
         Partition.from_bounds(config.partition)
         if config.partition is not None
@@ -224,10 +224,10 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
 
 
 def _assembled(config: TrainConfig) -> _Assembled:
-    mesh = init_mesh(config.stages, config.dp, fsdp=config.fsdp, tp=config.tp, timeout=config.timeout)
+    mesh = init_mesh(config.pp, config.dp, fsdp=config.fsdp, tp=config.tp, timeout=config.timeout)
     model_config = model_of(config.model)
     model = _meta_model(config, model_config)
-    n_stages = config.stages * config.virtual
+    n_stages = config.pp * config.virtual
     micro = _micro(config)
     costs = profile(model, _sample(config, model_config, micro))  # on the meta device: FLOPs, for the split and the MFU
     part: Partition = (

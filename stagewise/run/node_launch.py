@@ -57,8 +57,8 @@ def endpoint_of(text: str) -> Endpoint:
 
 
 def layout_of(config: TrainConfig) -> str:
-    """The flags that make the job's processes: ``--stages 4 x --dp 2`` (with ``--fsdp``, ``--tp`` where > 1)."""
-    text = f"--stages {config.stages} x --dp {config.dp}"
+    """The flags that make the job's processes: ``--pp 4 x --dp 2`` (with ``--fsdp``, ``--tp`` where > 1)."""
+    text = f"--pp {config.pp} x --dp {config.dp}"
     for name in ("fsdp", "tp"):
         if getattr(config, name) > 1:
             text += f" x --{name} {getattr(config, name)}"

@@ -1,12 +1,17 @@
-"""Run folders of the command line: a fresh folder per run under one root, and the ``latest`` link to the newest."""
+"""Run folders of the command line: a fresh folder per run under one root, the ``latest`` link to the newest, the
+paths a run writes there (``RUN/...``), and its job file."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
 from pathlib import Path
+from typing import Any
+
+from stagewise.run.config import TrainConfig
 
 ROOT = Path("stagewise-run")
 """Where ``stagewise train`` keeps its runs by default, one folder each."""
@@ -39,3 +44,80 @@ def latest_run(root: Path) -> Path | None:
     """The folder ``root/latest`` points at, or None when there is no run under ``root``."""
     link = root / LATEST
     return link.resolve() if link.is_dir() else None
+
+
+RUN = "RUN"
+"""A path's first part that stands for the run's folder, whichever it turns out to be (``RUN/checkpoints``)."""
+
+CONFIG = "config.toml"
+"""The run folder's job file: every setting the run resolved to (see :mod:`stagewise.run.job`)."""
+
+IN_RUN_FOLDER: dict[str, str] = {"checkpoint_dir": f"{RUN}/checkpoints", "metrics": f"{RUN}/metrics.jsonl"}
+"""What ``stagewise train`` writes into the run's folder unless told otherwise: its checkpoints and metrics."""
+
+_PATHS = ("checkpoint_dir", "metrics", "tensorboard", "wandb", "trace")
+"""The settings that are paths a run writes, which may lie in its folder (``RUN/...``)."""
+
+
+def in_folder(config: TrainConfig, folder: Path) -> TrainConfig:
+    """``config`` with each path under :data:`RUN` placed in the run's ``folder``."""
+    moved: dict[str, Any] = {}
+    for name in _PATHS:
+        value = getattr(config, name)
+        if isinstance(value, str) and Path(value).parts[:1] == (RUN,):
+            moved[name] = str(folder.joinpath(*Path(value).parts[1:]))
+    return dataclasses.replace(config, **moved)
+
+
+def writes_in_folder(config: TrainConfig) -> bool:
+    """Whether ``config`` keeps its checkpoints in the run's folder (so ``--resume`` finds them there)."""
+    return isinstance(config.checkpoint_dir, str) and Path(config.checkpoint_dir).parts[:1] == (RUN,)
+
+
+def writable(what: str, folder: Path) -> None:
+    """Make ``folder`` now, so that an output that cannot be written fails before training, not after it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{what}: cannot make the folder {folder} ({err.strerror}); choose a writable one") from err
+
+
+def chosen_folder(out: Path | None, config: TrainConfig, *, torchrun: bool, root: Path = ROOT) -> Path | None:
+    """The run's folder when the command names one: ``out``, the latest run for a resume whose checkpoints are in
+    its folder, or under torchrun the root (every rank must name the same folder); None: a new one, made once
+    everything is checked."""
+    if out is not None:
+        return out
+    if torchrun:
+        return root
+    if config.resume and writes_in_folder(config):  # the run's checkpoints are in its folder: find it
+        found = latest_run(root)
+        if found is None:
+            raise ValueError(
+                f"--resume continues the latest run in {root}/, but there is none there; start one without "
+                "--resume, or name the run's folder with --out"
+            )
+        return found
+    return None
+
+
+def made_folder(chosen: Path | None, *, root: Path = ROOT) -> Path:
+    """The run's folder, made now: ``chosen``, or a new one under ``root`` when none was chosen."""
+    if chosen is not None:
+        writable("--out", chosen)
+        out = chosen
+    else:
+        writable("--out", root)
+        out = new_run(root)
+    return out
+
+
+def keep_config(folder: Path, config: TrainConfig) -> Path:
+    """Write ``config``'s job file into the run's ``folder`` as :data:`CONFIG`, atomically."""
+    from stagewise.run.job import config_text
+
+    target = folder / CONFIG
+    staged = folder / f".{CONFIG}.partial-{os.getpid()}"
+    staged.write_text(config_text(config))
+    os.replace(staged, target)
+    return target

@@ -15,6 +15,7 @@ from stagewise.cli import main, parser, run_report
 from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
+from stagewise.plan.plan_file import sectioned
 from stagewise.run import Summary, TrainConfig
 from stagewise.schedule import Schedule
 
@@ -227,10 +228,10 @@ def test_train_help_documents_every_flag(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--model", "--stages", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
+    for flag in ("--model", "--pp", "--dp", "--schedule", "--microbatches", "--batch-size", "--seq-len", "--steps",
                  "--lr", "--optimizer", "--bf16", "--activation-checkpointing", "--seed", "--data", "--checkpoint-dir",
-                 "--checkpoint-every", "--resume", "--trace", "--weight-grad-pool",
-                 "--no-weight-grad-fusion", "--pin-cores", "--compile"):  # fmt: skip
+                 "--checkpoint-every", "--resume", "--trace", "--weight-gradient-pool",
+                 "--no-weight-gradient-fusion", "--pin-cores", "--compile"):  # fmt: skip
         assert flag in text, flag
 
 
@@ -239,9 +240,9 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
         return config_of(parser().parse_args(["train", *argv]))
 
     assert (config().weight_gradient_fusion, config().weight_gradient_pool) == (True, "free")
-    assert config("--weight-grad-pool", "3").weight_gradient_pool == 3
-    assert config("--weight-grad-pool", "free").weight_gradient_pool == "free"
-    assert config("--no-weight-grad-fusion").weight_gradient_fusion is False
+    assert config("--weight-gradient-pool", "3").weight_gradient_pool == 3
+    assert config("--weight-gradient-pool", "free").weight_gradient_pool == "free"
+    assert config("--no-weight-gradient-fusion").weight_gradient_fusion is False
     assert config().data_limit is None and config("--data-limit", "64MiB").data_limit == 64 << 20
     assert config().compile is False and config("--compile").compile is True
 
@@ -289,19 +290,19 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
         assert f"{flag} applies to language models, which read text; mlp-tiny trains on data of its own" in (
             capsys.readouterr().err
         )
-    assert main(["train", "--no-weight-grad-fusion", "--weight-grad-pool", "2"]) == 2
+    assert main(["train", "--no-weight-gradient-fusion", "--weight-gradient-pool", "2"]) == 2
     assert "weight_gradient_pool=2 pools fused weight gradients, but weight_gradient_fusion is off" in (
         capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
-        main(["train", "--weight-grad-pool", "0"])
-    assert "--weight-grad-pool: expected a number >= 1 or 'free', got 0" in capsys.readouterr().err
+        main(["train", "--weight-gradient-pool", "0"])
+    assert "--weight-gradient-pool: expected a number >= 1 or 'free', got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--stages", "1", "--virtual", "8"], "cannot split 7 layers into 8 non-empty stages; use n_stages <= 7"),
+        (["--pp", "1", "--virtual", "8"], "cannot split 7 layers into 8 non-empty stages; use n_stages <= 7"),
         (["--schedule", "zero-bubble", "--activation-checkpointing"], "activation checkpointing and split backward"),
         (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs n_virtual >= 2 stages per rank, got 1"),
         (["--batch-size", "2", "--microbatches", "4"], "global_batch_size=2 is smaller than dp=1 x n_microbatches=4"),
@@ -361,7 +362,7 @@ def test_more_processes_than_cores_are_named_with_the_numbers() -> None:
     # --dp 8 on 2 cores started 16 processes without a word.
     assert cli_train.crowding(16, 2) == (
         "16 processes share 2 CPU cores, so each step waits for processes that are not running; at most 2 processes "
-        "(--stages x --dp x --fsdp x --tp) run at full speed"
+        "(--pp x --dp x --fsdp x --tp) run at full speed"
     )
     assert cli_train.crowding(2, 2) is None
 
@@ -373,12 +374,13 @@ def test_help_shows_the_defaults_and_no_markup(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "optimizer steps (the schedule's length) (default: 400)" in text
-    assert "warm-up steps (default: 10)" in text
+    assert "optimizer steps, the schedule's length (default 400)" in text
+    assert "warm-up steps (default 10)" in text
+    assert "--plan PLAN a plan from `stagewise plan --json` (sets the layout it chose)" in text
 
 
 PLAN = {
-    "model": "gpt-tiny", "stages": 2, "dp": 1, "fsdp": 1, "tp": 1, "virtual": 1, "schedule": "1f1b",
+    "model": "gpt-tiny", "pp": 2, "dp": 1, "fsdp": 1, "tp": 1, "virtual": 1, "schedule": "1f1b",
     "microbatches": 4, "batch_size": 8, "seq_len": 32, "activation_checkpointing": False, "optimizer": "adamw",
     "partition": [0, 3, 7],
 }  # fmt: skip
@@ -414,7 +416,7 @@ def test_train_refuses_a_plan_with_a_bad_field_in_one_line_before_any_process_st
     monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
     monkeypatch.setattr(cli_train, "preflight", preflight)
     bad = tmp_path / "plan.json"
-    bad.write_text(json.dumps({**PLAN, **changed}))
+    bad.write_text(json.dumps(sectioned({**PLAN, **changed})))
     assert main(["train", "--plan", str(bad), "--no-checkpoints", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"stagewise train: error: {message}"), err
@@ -423,12 +425,12 @@ def test_train_refuses_a_plan_with_a_bad_field_in_one_line_before_any_process_st
 
 def test_a_plan_naming_a_factory_trains_it_when_the_command_line_names_it_too(tmp_path: Path) -> None:
     planned = tmp_path / "plan.json"
-    planned.write_text(json.dumps({**PLAN, "model": "mypackage.models:make"}))
+    planned.write_text(json.dumps(sectioned({**PLAN, "model": "mypackage.models:make"})))
     config = config_of(parser().parse_args(["train", "--plan", str(planned), "--model", "mypackage.models:make"]))
-    assert (config.model, config.stages, config.partition) == ("mypackage.models:make", 2, (0, 3, 7))
+    assert (config.model, config.pp, config.partition) == ("mypackage.models:make", 2, (0, 3, 7))
     with pytest.raises(ValueError, match=r'"model" is "mypackage\.models:make", code'):
         config_of(parser().parse_args(["train", "--plan", str(planned), "--model", "gpt-tiny"]))
-    planned.write_text(json.dumps(PLAN))
+    planned.write_text(json.dumps(sectioned(PLAN)))
     assert config_of(parser().parse_args(["train", "--plan", str(planned)])).optimizer == "adamw"
 
 

@@ -15,7 +15,7 @@ NODES = ["nodes", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--rdzv-id"
 
 
 def test_nodes_prints_the_command_each_node_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    flags = ["--model", "gpt-1.3b", "--stages", "8", "--dp", "2", "--out", "/shared/my runs/1b"]
+    flags = ["--model", "gpt-1.3b", "--pp", "8", "--dp", "2", "--out", "/shared/my runs/1b"]
     assert main([*NODES, "--max-restarts", "3", "train", *flags]) == 0
     shown = capsys.readouterr()
     assert shlex.split(shown.out) == [
@@ -31,7 +31,7 @@ def test_nodes_prints_the_command_each_node_runs(capsys: pytest.CaptureFixture[s
 
 
 def test_nodes_says_where_a_run_without_out_writes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*NODES, "train", "--model", "mlp-tiny", "--stages", "2"]) == 0
+    assert main([*NODES, "train", "--model", "mlp-tiny", "--pp", "2"]) == 0
     shown = capsys.readouterr()
     assert "--nproc-per-node 1 " in shown.out
     assert "(1 process each, 2 in all)" in shown.err
@@ -47,51 +47,51 @@ def test_nodes_says_where_a_run_without_out_writes(capsys: pytest.CaptureFixture
             "loopback alone; give 2 nodes or more",
         ),
         (
-            [*NODES[1:], "train", "--stages", "3"],
-            "the job's 3 processes (--stages 3 x --dp 1) do not split evenly over 2 nodes; choose a number of nodes "
+            [*NODES[1:], "train", "--pp", "3"],
+            "the job's 3 processes (--pp 3 x --dp 1) do not split evenly over 2 nodes; choose a number of nodes "
             "that divides 3, or change those flags",
         ),
         (
-            [*NODES[1:], "--nproc-per-node", "8", "train", "--stages", "2", "--dp", "2", "--tp", "2"],
-            "2 nodes x 8 processes are 16 processes, but the job has 8 (--stages 2 x --dp 2 x --tp 2); change those "
+            [*NODES[1:], "--nproc-per-node", "8", "train", "--pp", "2", "--dp", "2", "--tp", "2"],
+            "2 nodes x 8 processes are 16 processes, but the job has 8 (--pp 2 x --dp 2 x --tp 2); change those "
             "flags, or the nodes or processes per node",
         ),
         (
-            ["--nnodes", "2", "--rdzv-endpoint", "node0", "--rdzv-id", "7", "train", "--stages", "2"],
+            ["--nnodes", "2", "--rdzv-endpoint", "node0", "--rdzv-id", "7", "train", "--pp", "2"],
             "the rendezvous endpoint 'node0' is not HOST:PORT with a port 1-65535; give the first node's host and a "
             "free port there, e.g. node0:29500",
         ),
         (
-            ["--nnodes", "2", "--rdzv-endpoint", "0.0.0.0:29500", "--rdzv-id", "7", "train", "--stages", "2"],
+            ["--nnodes", "2", "--rdzv-endpoint", "0.0.0.0:29500", "--rdzv-id", "7", "train", "--pp", "2"],
             "the rendezvous endpoint '0.0.0.0:29500' names no host the nodes can reach",
         ),
         (
-            ["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "none", "train", "--stages", "2"],
+            ["--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--rdzv-id", "none", "train", "--pp", "2"],
             "the job id 'none' is not one of this job's own; give the scheduler's job id (letters, digits, '.', '_', "
             "'-'), e.g. $SLURM_JOB_ID, a new one for each job",
         ),
         (
             NODES[1:],
             "nodes needs the train command last, not nothing; write: stagewise nodes --nnodes 2 --rdzv-endpoint "
-            "HOST:PORT --rdzv-id JOB_ID train --model ... --stages ... --dp ...",
+            "HOST:PORT --rdzv-id JOB_ID train --model ... --pp ... --dp ...",
         ),
         (
-            [*NODES[1:], "train", "--stages", "2", "--pin-cores"],
+            [*NODES[1:], "train", "--pp", "2", "--pin-cores"],
             "--pin-cores applies when stagewise starts the processes; torchrun starts them: leave it out",
         ),
         (
-            [*NODES[1:], "train", "--stages", "2", "--max-restarts", "2"],
+            [*NODES[1:], "train", "--pp", "2", "--max-restarts", "2"],
             "train --max-restarts 2 applies when stagewise starts the processes; give it to nodes before the train "
             "command (torchrun's --max-restarts)",
         ),
         (
-            [*NODES[1:], "train", "--stages", "2", "--tokenizer", "/models/llama"],
+            [*NODES[1:], "train", "--pp", "2", "--tokenizer", "/models/llama"],
             "the data (the Python standard library's source) must be tokenized before torchrun starts the ranks "
             "(tokenizer /models/llama): run python -m stagewise tokenize --data ... --tokenizer ... --out DIR, with "
             "DIR where every node reads it, then give --data DIR",
         ),
         (
-            [*NODES[1:], "--max-restarts", "-1", "train", "--stages", "2"],
+            [*NODES[1:], "--max-restarts", "-1", "train", "--pp", "2"],
             "--max-restarts must be >= 0, got -1",
         ),
     ],
@@ -105,7 +105,7 @@ def test_nodes_refuses_in_one_line(argv: list[str], message: str, capsys: pytest
 
 def test_nodes_refuses_a_train_flag_train_refuses(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        main([*NODES, "train", "--stages", "2", "--bogus"])
+        main([*NODES, "train", "--pp", "2", "--bogus"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.endswith("stagewise nodes: error: unrecognized arguments: --bogus\n")
 

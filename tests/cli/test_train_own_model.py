@@ -32,10 +32,8 @@ def test_a_saved_gpt2_is_planned_trains_from_its_weights_and_its_checkpoint_expo
     model.save_pretrained(tmp_path / "gpt2")
     out, plan = tmp_path / "run", tmp_path / "plan.json"
     model_flag = ["--model", f"hf:{tmp_path / 'gpt2'}"]
-    assert (
-        main(["plan", *model_flag, "--gpus", "2", "--global-batch", "8", "--seq-len", "32", "--json", str(plan)]) == 0
-    )
-    assert json.loads(plan.read_text())["model"] == f"hf:{tmp_path / 'gpt2'}"
+    assert main(["plan", *model_flag, "--gpus", "2", "--batch-size", "8", "--seq-len", "32", "--json", str(plan)]) == 0
+    assert json.loads(plan.read_text())["model"]["model"] == f"hf:{tmp_path / 'gpt2'}"
     # The folder has no tokenizer of its own: its 256 ids are bytes, said so.
     argv = [
         *model_flag,

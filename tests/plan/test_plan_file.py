@@ -14,7 +14,7 @@ from torch import nn
 
 from stagewise.plan import load_plan, plan, workload
 from stagewise.plan.cluster import Cluster, Device
-from stagewise.plan.plan_file import FIELDS, HF, MAX_PLAN_BYTES, OPTIMIZERS, read_plan, schema
+from stagewise.plan.plan_file import FIELDS, HF, MAX_PLAN_BYTES, OPTIMIZERS, read_plan, schema, sectioned
 from stagewise.run import Optimizer
 from stagewise.run.user_model import HF as RUN_HF
 from stagewise.schedule import build
@@ -25,7 +25,7 @@ GiB = 2**30
 def written(**fields: Any) -> dict[str, Any]:
     """What `stagewise plan --json` writes for two stages of gpt-tiny, with ``fields`` changed (None: left out)."""
     base: dict[str, Any] = {
-        "model": "gpt-tiny", "stages": 2, "dp": 1, "fsdp": 1, "tp": 1, "virtual": 1, "schedule": "1f1b",
+        "model": "gpt-tiny", "pp": 2, "dp": 1, "fsdp": 1, "tp": 1, "virtual": 1, "schedule": "1f1b",
         "microbatches": 4, "batch_size": 8, "seq_len": 32, "activation_checkpointing": False, "optimizer": "adamw",
         "partition": [0, 3, 7], "predicted": {"step_time": 0.5, "bubble": 0.2, "rank_memory": [1.0, 2.0],
                                               "rank_activation": [0.5, 0.5]},
@@ -35,7 +35,7 @@ def written(**fields: Any) -> dict[str, Any]:
 
 
 def text(**fields: Any) -> str:
-    return json.dumps(written(**fields))
+    return json.dumps(sectioned(written(**fields)))
 
 
 def test_a_plan_round_trips_unchanged() -> None:
@@ -48,9 +48,9 @@ def test_a_plan_round_trips_unchanged() -> None:
     extras: list[dict[str, Any]] = [{}, {"schedule_text": schedule.to_text()}, {"optimizer": "sgd", "seq_len": 16}]
     for extra in extras:
         out = result.to_json(work, **{"model": "gpt-tiny", "seq_len": None, **extra})
-        assert load_plan(out) == json.loads(out)
+        assert sectioned(load_plan(out)) == json.loads(out)
     old = written(fsdp=None, tp=None, seq_len=None, optimizer=None, activation_checkpointing=None, predicted=None)
-    assert load_plan(json.dumps(old)) == old  # plans from before those fields were written
+    assert load_plan(json.dumps(sectioned(old))) == old  # plans without the optional fields
 
 
 def test_the_schema_is_trains_own() -> None:
@@ -69,9 +69,9 @@ def test_the_schema_is_trains_own() -> None:
         (text(partition=[0, 2.5, 7]), 'the plan\'s "partition" is [0, 2.5, 7], not a list of whole numbers (JSON '
          "integers) that starts at 0 and increases strictly; give the stage bounds"),
         (text(partition=[0, 3, 3]), 'the plan\'s "partition" is [0, 3, 3], not a list of whole numbers'),
-        (text(partition=[0, 3]), 'the plan\'s "partition" is [0, 3], bounds of 1 stages, but stages x virtual = 2 x '
+        (text(partition=[0, 3]), 'the plan\'s "partition" is [0, 3], bounds of 1 stages, but pp x virtual = 2 x '
          "1 = 2; give 3 bounds"),
-        (text(stages=True), 'the plan\'s "stages" is true, not a whole number >= 1 (a JSON integer); write the plan '
+        (text(pp=True), 'the plan\'s "pp" is true, not a whole number >= 1 (a JSON integer); write the plan '
          "again with `stagewise plan --json PLAN`"),
         (text(microbatches=0), 'the plan\'s "microbatches" is 0, not a whole number >= 1'),
         (text(schedule="round-robin"), 'the plan\'s "schedule" is "round-robin", not one of "gpipe", "1f1b"'),
@@ -85,27 +85,37 @@ def test_the_schema_is_trains_own() -> None:
         (text(schedule_text="rank 0: " + "0F0 " * 30), '"schedule_text" is "rank 0: 0F0 0F0 0F0 0F0 0F0 0F0 0F0 '
          "0F0 0F0 0F0 0F0 0F0 ... (130 characters), more than the 24 actions a schedule of 2 stages"),
         (text(schedule_text="rank 0: 0F0 0B0\n"), '"schedule_text" is "rank 0: 0F0 0B0\\n", a schedule of 1 ranks, 1 '
-         "stages and 1 micro-batches, but the plan has 2 ranks (stages), 2 stages (x virtual) and 4 micro-batches"),
+         "stages and 1 micro-batches, but the plan has 2 ranks (pp), 2 stages (x virtual) and 4 micro-batches"),
         (text(schedule_text="rank 0: 0X0"), 'the plan\'s "schedule_text" is "rank 0: 0X0", unreadable at line 1: '
          "cannot read action '0X0'"),
         (text(model="mypackage.models:make"), 'the plan\'s "model" is "mypackage.models:make", code '
          "(MODULE:FACTORY), which a plan file may not name: it would be imported and run in every process; give "
          "--model mypackage.models:make on the command line to train it with this plan, or plan a preset or hf:DIR"),
         (text(model="gpt-huge"), 'the plan\'s "model" is "gpt-huge", not a preset ('),
-        (text(optimiser="sgd"), "the plan has fields train does not know: ['optimiser']; a plan holds only ['model'"),
-        ('"gpt-tiny"', 'the plan is "gpt-tiny", a JSON string, not an object of fields ("model": ..., "stages": ...); '
+        (json.dumps({"optimizer": {"optimiser": "sgd"}}), 'the plan has fields train does not know: '
+         '["optimizer"]["optimiser"]; a plan holds only [\'model\''),
+        (json.dumps({**sectioned(written()), "optimiser": {}}), "the plan has sections train does not know: "
+         "['optimiser']"),
+        (json.dumps(written()), "the plan holds ['pp', 'dp', 'fsdp', 'tp', 'virtual', 'microbatches', 'batch_size', "
+         "'seq_len', 'activation_checkpointing', 'partition'] outside the sections a plan holds them in (['model', "
+         "'layout', 'schedule', 'optimizer', 'compute']): an earlier stagewise wrote it; write the plan again"),
+        (json.dumps({"layout": {"schedule": "1f1b"}}), 'the plan holds "schedule" in "layout", but it belongs in '
+         '"schedule"'),
+        ('"gpt-tiny"', 'the plan is "gpt-tiny", a JSON string, not an object of fields ("model": {"model": ...}, '
+         '"layout": {"pp": ...}, ...); '
          "write the plan again"),
         ("[1, 2]", "the plan is [1, 2], a JSON array, not an object of fields"),
         ("{'model': 1}", "the plan is not JSON (Expecting property name enclosed in double quotes at line 1 column "
          "2); write the plan again"),
         ("[" * 10**5, "the plan nests lists or objects too deeply to be one"),
         ('{"model": "gpt-tiny", "model": "mlp-tiny"}', "the plan names ['model'] more than once; keep one of each"),
-        (text(stages=0).replace('"stages": 0', '"stages": ' + "9" * 5000),
+        (text(pp=0).replace('"pp": 0', '"pp": ' + "9" * 5000),
          "the plan holds a value that JSON allows but Python cannot read (Exceeds the limit (4300 digits) for "
          "integer string conversion); write the plan again"),
         (json.dumps({"bounds": [0, 2, 4]}), "this is a partition (stagewise partition --json: the stage bounds "
          "[0, 2, 4] alone), not a plan"),
-        (json.dumps({"model": "gpt-tiny"}), "the plan lacks ['stages', 'dp', 'virtual', 'schedule', 'microbatches'"),
+        (json.dumps({"model": {"model": "gpt-tiny"}}), "the plan lacks ['pp', 'dp', 'virtual', 'schedule', "
+         "'microbatches'"),
     ],
     ids=lambda case: None if case.startswith(("{", "[", '"')) else case[:50],
 )  # fmt: skip

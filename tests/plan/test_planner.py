@@ -173,13 +173,13 @@ def test_a_rank_holding_both_ends_of_a_tie_in_two_stages_counts_it_once() -> Non
 
 def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "1GiB", "--global-batch", "8"]
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "1GiB", "--batch-size", "8"]
     assert main([*argv, "--seq-len", "32", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "best: " in text and "peak memory per rank" in text
     chosen = load_plan(out.read_text())
-    assert chosen["stages"] * chosen["dp"] == 2 and chosen["seq_len"] == 32
-    assert main(["plan", "--model", "gpt-70b", "--gpus", "2", "--gpu-memory", "8GiB", "--global-batch", "2"]) == 1
+    assert chosen["pp"] * chosen["dp"] == 2 and chosen["seq_len"] == 32
+    assert main(["plan", "--model", "gpt-70b", "--gpus", "2", "--gpu-memory", "8GiB", "--batch-size", "2"]) == 1
     assert "no layout fits 2 devices; it would need at least" in capsys.readouterr().out
     for extra, error in (
         (["--model", "mlp-tiny", "--seq-len", "32"], "--seq-len applies to the GPT presets; mlp-tiny takes no seq"),
@@ -191,16 +191,16 @@ def test_plan_command_writes_a_plan_that_train_reads(tmp_path: Path, capsys: pyt
         assert main([*argv, *extra]) == 2  # each refused, not ignored
         assert error in capsys.readouterr().err
     broken = tmp_path / "broken.json"
-    broken.write_text(json.dumps({"model": "gpt-tiny"}))
+    broken.write_text(json.dumps({"model": {"model": "gpt-tiny"}}))
     assert main(["train", "--plan", str(broken)]) == 2
-    assert "the plan lacks ['stages', 'dp'" in capsys.readouterr().err
+    assert "the plan lacks ['pp', 'dp'" in capsys.readouterr().err
 
 
 def test_plan_synthesise_writes_a_schedule_for_the_stages_that_train_takes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "4GiB", "--global-batch", "8",
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "2", "--gpu-memory", "4GiB", "--batch-size", "8",
             "--seq-len", "32", "--json", str(out), "--synthesise"]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -209,7 +209,7 @@ def test_plan_synthesise_writes_a_schedule_for_the_stages_that_train_takes(
     chosen = load_plan(out.read_text())
     schedule = Schedule.from_text(chosen["schedule_text"])
     validate(schedule)
-    assert (schedule.n_ranks, schedule.n_microbatches) == (chosen["stages"], chosen["microbatches"])
+    assert (schedule.n_ranks, schedule.n_microbatches) == (chosen["pp"], chosen["microbatches"])
     assert max(peak_in_flight(schedule)) <= max(
         peak_in_flight(build_schedule(chosen["schedule"], 2, schedule.n_microbatches))
     )
@@ -255,9 +255,9 @@ def test_a_plan_counts_sgds_momentum_and_train_takes_its_optimizer(
     peaks = {}
     for optimizer in ("adamw", "sgd"):
         out = tmp_path / f"{optimizer}.json"
-        argv = ["plan", "--model", "gpt-tiny", "--gpus", "1", "--gpu-memory", "1GiB", "--global-batch", "8"]
+        argv = ["plan", "--model", "gpt-tiny", "--gpus", "1", "--gpu-memory", "1GiB", "--batch-size", "8"]
         assert main([*argv, "--seq-len", "32", "--optimizer", optimizer, "--json", str(out)]) == 0
-        chosen = json.loads(out.read_text())
+        chosen = load_plan(out.read_text())
         assert chosen["optimizer"] == optimizer
         predicted = chosen["predicted"]
         peaks[optimizer] = predicted["rank_memory"][0] - predicted["rank_activation"][0]  # what the layout holds
@@ -266,14 +266,14 @@ def test_a_plan_counts_sgds_momentum_and_train_takes_its_optimizer(
     assert peaks["adamw"] - peaks["sgd"] == pytest.approx(param_bytes)
     assert config_of(parser().parse_args(["train", "--plan", str(tmp_path / "sgd.json")])).optimizer == "sgd"
     capsys.readouterr()
-    assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--stages", "7", "--schedule", "gpipe"]) == 2
+    assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--pp", "7", "--schedule", "gpipe"]) == 2
     err = capsys.readouterr().err
-    assert "--plan sets the layout, but --stages 7 (the plan's: 1), --schedule gpipe (the plan's: 1f1b) asks " in err
+    assert "--plan sets the layout, but --pp 7 (the plan's: 1), --schedule gpipe (the plan's: 1f1b) asks " in err
     # A flag given with its default value clashed too, but was taken for "not given": --optimizer adamw trained
     # with the plan's SGD.
-    assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--optimizer", "adamw", "--stages", "2"]) == 2
+    assert main(["train", "--plan", str(tmp_path / "sgd.json"), "--optimizer", "adamw", "--pp", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--stages 2 (the plan's: 1), --optimizer adamw (the plan's: sgd) asks for another" in err
+    assert "--pp 2 (the plan's: 1), --optimizer adamw (the plan's: sgd) asks for another" in err
     assert config_of(parser().parse_args(["train", "--plan", str(tmp_path / "sgd.json"), "--optimizer", "sgd"]))
 
 
@@ -284,7 +284,7 @@ def small_mlp() -> nn.Sequential:
 
 def test_plan_of_a_factory_model_refuses_an_input_shape_it_cannot_take(capsys: pytest.CaptureFixture[str]) -> None:
     # A shape the model could not take ended in a RuntimeError traceback from profiling, a bad one in int()'s.
-    argv = ["plan", "--model", "test_planner:small_mlp", "--gpus", "2", "--global-batch", "8"]
+    argv = ["plan", "--model", "test_planner:small_mlp", "--gpus", "2", "--batch-size", "8"]
     assert main([*argv, "--input-shape", "4"]) == 0
     capsys.readouterr()
     assert main([*argv, "--input-shape", "5"]) == 2
@@ -330,7 +330,7 @@ def test_plan_of_a_model_that_reads_its_data_checks_the_input_shape_on_the_profi
     capsys: pytest.CaptureFixture[str], factory: str, meta_error: str
 ) -> None:
     # The meta device cannot run .item() or nonzero: the shape check refused a right shape, which --profile plans.
-    argv = ["plan", "--model", f"test_planner:{factory}", "--gpus", "2", "--global-batch", "8", "--profile"]
+    argv = ["plan", "--model", f"test_planner:{factory}", "--gpus", "2", "--batch-size", "8", "--profile"]
     assert main([*argv, "--input-shape", "4"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     assert main([*argv, "--input-shape", "5"]) == 2  # a wrong one is still refused, with the CPU's reason
@@ -376,7 +376,7 @@ def test_each_rank_needs_the_memory_the_planner_predicts(stages: int, schedule: 
     option = evaluate(Option(stages, 1, 1, 4, schedule, False), work, Cluster((Device(GiB, 1e12),) * stages))  # type: ignore[arg-type]
     assert option.partition is not None
     run = TrainConfig(
-        model="gpt-tiny", stages=stages, schedule=schedule, microbatches=4, batch_size=32, seq_len=128,  # type: ignore[arg-type]
+        model="gpt-tiny", pp=stages, schedule=schedule, microbatches=4, batch_size=32, seq_len=128,  # type: ignore[arg-type]
         steps=2, eval_every=0, checkpoint_dir=None, partition=option.partition.bounds, timeout=60,
     )  # fmt: skip
     peaks = run_ranks(live_peak, stages, run, timeout=120)
@@ -452,14 +452,14 @@ def build_mlp() -> tuple[nn.Module, torch.Tensor]:
 
 def test_the_plan_of_a_sharded_layout_reaches_train(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plan.json"
-    argv = ["plan", "--model", "gpt-tiny", "--gpus", "4", "--global-batch", "16", "--fsdp", "2", "--tp", "2"]
+    argv = ["plan", "--model", "gpt-tiny", "--gpus", "4", "--batch-size", "16", "--fsdp", "2", "--tp", "2"]
     assert main([*argv, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "fsdp=2 tp=2" in text
-    chosen = json.loads(out.read_text())
+    chosen = load_plan(out.read_text())
     assert (chosen["fsdp"], chosen["tp"]) == (2, 2)
     config = config_of(parser().parse_args(["train", "--plan", str(out)]))
-    assert (config.stages, config.dp, config.fsdp, config.tp) == (chosen["stages"], chosen["dp"], 2, 2)
+    assert (config.pp, config.dp, config.fsdp, config.tp) == (chosen["pp"], chosen["dp"], 2, 2)
     assert main(["plan", "--model", "gpt-tiny", "--gpus", "4", "--tp", "3"]) == 2
     assert "tp=3 does not divide" in capsys.readouterr().err
 

@@ -31,7 +31,7 @@ for a step of 4 processes on 2 busy cores, short enough for the suite."""
 KILL_TIMEOUT = 30.0
 """The bound where a rank is killed: its peers learn of it at once, from the agent, not by a timeout."""
 BASE = TrainConfig(
-    model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
+    model="gpt-tiny", pp=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
     checkpoint_every=2, timeout=KILL_TIMEOUT,
 )  # fmt: skip
 LAYOUTS = {"pp2 x dp2": Layout(2, 2), "pp2 x fsdp2": Layout(2, 1, 2), "pp2 x tp2": Layout(2, 1, 1, 2)}

@@ -27,7 +27,7 @@ from stagewise.run import Summary, TrainConfig, folder, train
 from stagewise.run.resume import cannot_tell, owns
 
 BASE = TrainConfig(
-    model="gpt-tiny", stages=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
+    model="gpt-tiny", pp=2, microbatches=2, batch_size=8, seq_len=32, steps=6, warmup=1, eval_every=0,
     checkpoint_every=2, timeout=60,
 )  # fmt: skip
 
@@ -122,7 +122,7 @@ def fresh(root: str) -> tuple[list[float], bool]:
     """Train two steps afresh into ``root`` as the CLI's ranks do, or fail on finding another run's checkpoints
     there; the losses, and whether the process group is still open afterwards."""
     torch.set_num_threads(1)
-    losses = run_rank(dataclasses.replace(BASE, stages=1, checkpoint_dir=root, steps=2, checkpoint_every=0)).losses
+    losses = run_rank(dataclasses.replace(BASE, pp=1, checkpoint_dir=root, steps=2, checkpoint_every=0)).losses
     return losses, torch.distributed.is_initialized()
 
 

@@ -30,7 +30,7 @@ SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 NODE_SCRIPT = ROOT / "examples" / "kubernetes" / "torchrun-node.sh"
 MANIFESTS = ROOT / "examples" / "kubernetes"
 JOB_ID = "4242"
-TINY = ["--model", "gpt-tiny", "--stages", "2", "--dp", "2", "--steps", "3", "--batch-size", "8"]
+TINY = ["--model", "gpt-tiny", "--pp", "2", "--dp", "2", "--steps", "3", "--batch-size", "8"]
 TINY += ["--microbatches", "2", "--seq-len", "32", "--eval-batches", "1", "--data-limit", "256KiB", "--log-every", "1"]
 LAUNCH_TIMEOUT = 150.0  # seconds for the whole job: its launch takes about 10 s here
 
@@ -204,7 +204,7 @@ def test_the_slurm_script_trains_on_two_nodes_of_two_processes(slurm_run: SlurmR
     assert all(math.isfinite(step["loss"]) and math.isfinite(step["grad_norm"]) for step in steps)
     assert all(len(step["peak_memory"]) == 4 for step in steps), "every rank of the 4 reports its memory"
     summary = json.loads((slurm_run.out / "summary.json").read_text())
-    assert summary["config"]["stages"] * summary["config"]["dp"] == 4
+    assert summary["config"]["pp"] * summary["config"]["dp"] == 4
     assert len(summary["losses"]) == 3 and all(math.isfinite(loss) for loss in summary["losses"])
 
 

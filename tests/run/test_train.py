@@ -50,7 +50,7 @@ def test_stopped_and_resumed_twice_mid_epoch_the_losses_are_an_uninterrupted_run
 def resume_refusals(root: str) -> dict[str, str]:
     """Save a 1-step run, then start runs into its folder that would not continue it; each one's refusal."""
     torch.set_num_threads(1)
-    config = dataclasses.replace(BASE, stages=1, stop_after=1, checkpoint_dir=str(Path(root) / "good"))
+    config = dataclasses.replace(BASE, pp=1, stop_after=1, checkpoint_dir=str(Path(root) / "good"))
     train(config)
     attempts = {
         "fresh run into a used folder": config,  # it would mix the two runs' checkpoints
@@ -95,7 +95,7 @@ def unwritable_checkpoints(blocked: str) -> tuple[str, int]:
     """Train with a checkpoint folder that cannot be made: the error, and the steps run before it."""
     torch.set_num_threads(1)
     steps: list[int] = []
-    config = dataclasses.replace(BASE, stages=1, steps=3, checkpoint_dir=f"{blocked}/checkpoints")
+    config = dataclasses.replace(BASE, pp=1, steps=3, checkpoint_dir=f"{blocked}/checkpoints")
     try:
         train(config, on_step=lambda step, loss, seconds: steps.append(step))
     except checkpoint.CheckpointError as err:
@@ -116,7 +116,7 @@ def tiny_validation(text: str) -> tuple[str, int]:
     """Train on a text whose validation split is smaller than a batch: the error, and the steps run before it."""
     torch.set_num_threads(1)
     steps: list[int] = []
-    config = dataclasses.replace(BASE, stages=1, data=text, steps=4, checkpoint_dir=None)
+    config = dataclasses.replace(BASE, pp=1, data=text, steps=4, checkpoint_dir=None)
     try:
         train(config, on_step=lambda step, loss, seconds: steps.append(step))
     except ValueError as err:
@@ -142,7 +142,7 @@ def fusions(configs: list[TrainConfig]) -> list[WeightGradientFusion | None]:
 
 
 def test_the_weight_gradient_options_reach_the_pipeline() -> None:
-    one = dataclasses.replace(BASE, stages=1)
+    one = dataclasses.replace(BASE, pp=1)
     configs = [
         one,
         dataclasses.replace(one, weight_gradient_pool=2),
@@ -174,7 +174,7 @@ def test_resume_without_a_checkpoint_dir_is_refused() -> None:
 def test_a_sharded_layout_trains_as_the_pipeline_does(runs: Runs, tmp_path: Path) -> None:
     # The tied tiny GPT on one stage sharded by FSDP over 2 ranks and split over 2 tensor-parallel ranks: the same
     # losses as the 2-stage run, step by step (clipping, AdamW and the learning-rate schedule included).
-    sharded = dataclasses.replace(BASE, stages=1, fsdp=2, tp=2, stop_after=3, checkpoint_dir=str(tmp_path))
+    sharded = dataclasses.replace(BASE, pp=1, fsdp=2, tp=2, stop_after=3, checkpoint_dir=str(tmp_path))
     torch.testing.assert_close(launch_run(sharded), runs.whole[:3], atol=1e-5, rtol=1e-5)
 
 
@@ -182,8 +182,8 @@ def test_tensor_parallelism_of_a_model_without_a_plan_is_refused() -> None:
     from stagewise.run.loop import preflight
 
     with pytest.raises(ValueError, match=r"tp=2: tensor parallelism splits GPT presets' layers, and mlp-tiny"):
-        preflight(dataclasses.replace(BASE, model="mlp-tiny", stages=1, tp=2))
+        preflight(dataclasses.replace(BASE, model="mlp-tiny", pp=1, tp=2))
     with pytest.raises(ValueError, match=r"tp=8 does not divide the 4 attention heads .* choose tp among \[1, 2, 4\]"):
-        preflight(dataclasses.replace(BASE, stages=1, tp=8))
+        preflight(dataclasses.replace(BASE, pp=1, tp=8))
     with pytest.raises(ValueError, match=r"tp=3 does not divide the vocabulary of 256 tokens"):
-        preflight(dataclasses.replace(BASE, stages=1, tp=3))
+        preflight(dataclasses.replace(BASE, pp=1, tp=3))

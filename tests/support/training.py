@@ -13,7 +13,7 @@ from support.multiproc import run_ranks
 
 BASE = TrainConfig(
     model="gpt-tiny-tied",
-    stages=2,
+    pp=2,
     microbatches=2,
     batch_size=8,
     seq_len=32,
