@@ -10,8 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from stagewise.cli import nodes, partition, plan, schedule, tokenize, train
-from stagewise.cli.args import DefaultsFormatter, JobFailedError
+from stagewise.cli.args import DefaultsFormatter
 from stagewise.comm import LaunchError
+from stagewise.run.launching import JobFailedError
 from stagewise.run.rank import LOG_FORMAT
 
 

@@ -116,10 +116,6 @@ def check_seq_len(seq_len: int | None, model: str) -> None:
         raise ValueError(f"--seq-len applies to the GPT presets; {model} takes no sequence: leave it out")
 
 
-class JobFailedError(Exception):
-    """A job whose processes failed, told in one line (the whole report is in the log it names)."""
-
-
 class DefaultsFormatter(argparse.HelpFormatter):
     """Help that ends each option with its default, unless the option's own help names it or it has none."""
 

@@ -7,7 +7,6 @@ reads a job file, flags given override it, ``--print-config`` prints what the ru
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
@@ -16,20 +15,17 @@ from typing import Any, get_args
 
 import torch
 
-from stagewise import checkpoint
 from stagewise.cli import args
-from stagewise.cli.args import JobFailedError
 from stagewise.cli.progress import Progress
 from stagewise.cli.run_report import report
-from stagewise.comm import LaunchError, launch
 from stagewise.models import PRESETS
 from stagewise.pipeline import NonFinite
-from stagewise.run import Optimizer, Summary, TrainConfig, preflight
+from stagewise.run import Optimizer, TrainConfig
 from stagewise.run.data import needs_tokenizing, prepared, tokenizer_of
 from stagewise.run.documents import files
 from stagewise.run.job import config_text, resolved
+from stagewise.run.launching import LocalLaunch, checked_before_start, crowding, launched, under_torchrun
 from stagewise.run.rank import run_rank
-from stagewise.run.resume import check_resume, fresh_run_refused
 from stagewise.run.runs import (
     IN_RUN_FOLDER,
     LATEST,
@@ -38,13 +34,10 @@ from stagewise.run.runs import (
     in_folder,
     keep_config,
     made_folder,
-    writable,
 )
 from stagewise.schedule import ScheduleName
 
 DEFAULTS = TrainConfig()
-TORCH_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
-"""The loggers of torch's agent, which the launching process quiets unless asked to be verbose."""
 TOKENS = "tokens"
 """Where under the runs' root the data a run tokenized is kept, one token file per corpus and tokenizer."""
 COMMAND_ONLY = ("config", "print_config", "plan", "out", "max_restarts", "pin_cores", "command", "verbose")
@@ -237,75 +230,6 @@ def config_of(ns: argparse.Namespace) -> TrainConfig:
     return resolved(given, defaults=IN_RUN_FOLDER, job_file=ns.config, plan_file=ns.plan)
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
-
-
-def _checked_before_start(ns: argparse.Namespace, config: TrainConfig, torchrun: bool) -> None:
-    """What the ranks would refuse, checked here first: a bad value is one line, not a traceback per rank."""
-    if config.trace is not None:
-        writable("--trace", Path(config.trace).parent)
-    if ns.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {ns.max_restarts}")
-    if torchrun and ns.pin_cores:
-        raise ValueError("--pin-cores applies when stagewise starts the processes; torchrun started these")
-    if torchrun and ns.max_restarts:
-        raise ValueError(
-            "--max-restarts applies when stagewise starts the processes; torchrun started these: "
-            "give torchrun --max-restarts (a restarted run resumes from --checkpoint-dir by itself)"
-        )
-    if torchrun:
-        return
-    if ns.max_restarts and config.checkpoint_dir is None:
-        raise ValueError("--max-restarts resumes from checkpoints; give --checkpoint-dir")
-    preflight(config)
-    check_resume(config)
-    found = checkpoint.latest(config.checkpoint_dir) if config.checkpoint_dir and not config.resume else None
-    if found is not None:  # refused here, before any process starts (and is restarted to meet it again)
-        raise ValueError(fresh_run_refused(str(config.checkpoint_dir), found))
-
-
-def crowding(processes: int, cores: int | None = None) -> str | None:
-    """Why ``processes`` local processes on ``cores`` CPU cores (this process's, by default) will be slow, if so."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if processes <= cores:
-        return None
-    return (
-        f"{processes} processes share {cores} CPU cores, so each step waits for processes that are not running; "
-        f"at most {cores} processes (--pp x --dp x --fsdp x --tp) run at full speed"
-    )
-
-
-def _launched(ns: argparse.Namespace, config: TrainConfig, out: Path) -> dict[int, Summary]:
-    """Run ``config`` on local processes; a failure is one line naming the rank, its stage and the cause, with
-    the whole report (every rank's traceback) in ``out/error.log``."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    verbose = logging.getLogger("stagewise").isEnabledFor(logging.DEBUG)
-    if not verbose:  # torch's agent logs a failed rank's traceback too: the user gets one line, the log the rest
-        for name, logger in list(logging.root.manager.loggerDict.items()):
-            if isinstance(logger, logging.Logger) and name.startswith(TORCH_LAUNCHER_LOGGERS):
-                logger.setLevel(logging.CRITICAL)
-    try:
-        return launch(
-            run_rank,
-            config.world_size,
-            config,
-            verbose,
-            Progress,
-            device="auto" if gpus >= config.world_size else "cpu",
-            tee=False,
-            max_restarts=ns.max_restarts,
-            layout=config.layout,
-            pin_cores=ns.pin_cores,
-            pass_stop_signals=True,
-        )
-    except LaunchError as err:
-        log = out / "error.log"
-        log.write_text(f"{err}\n")
-        raise JobFailedError(f"{err.headline} (the full report: {log})") from None
-
-
 def _say_where_nodes_meet() -> None:
     """Under torchrun on several nodes, rank 0 prints the job's store and id: every node reaches them, and so can
     anyone else on that network."""
@@ -338,11 +262,12 @@ def run(ns: argparse.Namespace) -> int:
     if ns.print_config:
         print(config_text(config), end="")
         return 0
-    torchrun = _under_torchrun()
+    torchrun = under_torchrun()
+    local = LocalLaunch(ns.max_restarts, ns.pin_cores)
     chosen = chosen_folder(ns.out, config, torchrun=torchrun)
     if not torchrun:
         config = _tokenized(config)
-    _checked_before_start(ns, in_folder(config, chosen or ROOT / "new"), torchrun)
+    checked_before_start(in_folder(config, chosen or ROOT / "new"), local, torchrun=torchrun)
     out = made_folder(chosen)
     config = in_folder(config, out)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -358,7 +283,7 @@ def run(ns: argparse.Namespace) -> int:
         crowded = crowding(config.world_size)
         if crowded is not None and not torch.cuda.is_available():
             print(f"stagewise train: warning: {crowded}", file=sys.stderr, flush=True)
-        results = _launched(ns, config, out)
+        results = launched(config, local, out, Progress)
         summary = results[0]
     for line in report(summary, out):
         print(line, flush=True)

@@ -16,7 +16,7 @@ from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
 from stagewise.plan.plan_file import sectioned
-from stagewise.run import Summary, TrainConfig
+from stagewise.run import Summary, TrainConfig, launching
 from stagewise.schedule import Schedule
 
 
@@ -261,7 +261,7 @@ def test_launcher_options_reach_launch_and_are_refused_under_torchrun(
         seen.append(options)
         raise LaunchedError
 
-    monkeypatch.setattr(cli_train, "launch", launch)
+    monkeypatch.setattr(launching, "launch", launch)
     for argv in (["train"], ["train", "--pin-cores"]):
         with pytest.raises(LaunchedError):
             cli_train.run(parser().parse_args(argv))
@@ -316,7 +316,7 @@ def test_train_refuses_what_its_ranks_would_before_starting_them(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # These reached the launched processes: exit 1 and a traceback from each rank, after the start-up.
-    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
+    monkeypatch.setattr(launching, "launch", None)  # nothing may be launched
     assert main(["train", "--no-checkpoints", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
@@ -413,8 +413,8 @@ def test_train_refuses_a_plan_with_a_bad_field_in_one_line_before_any_process_st
     def preflight(config: TrainConfig) -> None:
         raise AssertionError(f"the plan reached preflight: {config}")  # which would read a schedule of 3e9 stages
 
-    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
-    monkeypatch.setattr(cli_train, "preflight", preflight)
+    monkeypatch.setattr(launching, "launch", None)  # nothing may be launched
+    monkeypatch.setattr(launching, "preflight", preflight)
     bad = tmp_path / "plan.json"
     bad.write_text(json.dumps(sectioned({**PLAN, **changed})))
     assert main(["train", "--plan", str(bad), "--no-checkpoints", "--out", str(tmp_path / "run")]) == 2
@@ -437,7 +437,7 @@ def test_a_plan_naming_a_factory_trains_it_when_the_command_line_names_it_too(tm
 def test_a_seed_torch_cannot_take_on_every_rank_is_refused(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli_train, "launch", None)  # nothing may be launched
+    monkeypatch.setattr(launching, "launch", None)  # nothing may be launched
     # torch.manual_seed takes -2**63 .. 2**64 - 1, and each layer's seed is seed x 1000003 + its index:
     # 2**64 passed the checks and overflowed on every rank, and so did 2**45 in the layers' seeds.
     highest, lowest = 18446688733642, -9223344366821
