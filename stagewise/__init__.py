@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stagewise import comm, models, partition, pipeline, schedule
+    from stagewise.errors import StagewiseError
     from stagewise.partition import LayerCost, Partition, auto, balance, layers_of, profile
     from stagewise.pipeline import Pipeline
 
@@ -24,12 +25,14 @@ _NAMES = {
     "layers_of": "stagewise.partition",
     "profile": "stagewise.partition",
     "Pipeline": "stagewise.pipeline",
+    "StagewiseError": "stagewise.errors",
 }
 
 __all__ = [
     "LayerCost",
     "Partition",
     "Pipeline",
+    "StagewiseError",
     "__version__",
     "auto",
     "balance",

@@ -14,16 +14,19 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "stagewise"
 
 ALLOWED: Mapping[str, frozenset[str]] = {
-    "schedule": frozenset(),
+    "errors": frozenset(),
+    "schedule": frozenset({"errors"}),
     "units": frozenset(),
-    "comm": frozenset({"units"}),
-    "models": frozenset({"units"}),
-    "partition": frozenset({"schedule", "units"}),
-    "pipeline": frozenset({"schedule", "partition", "comm", "units"}),
-    "checkpoint": frozenset({"pipeline", "comm", "units"}),
-    "plan": frozenset({"pipeline", "partition", "schedule", "comm", "models", "units"}),
-    "run": frozenset({"plan", "pipeline", "partition", "schedule", "comm", "models", "checkpoint", "units"}),
-    "cli": frozenset({"run", "plan", "pipeline", "partition", "schedule", "comm", "models", "checkpoint", "units"}),
+    "comm": frozenset({"units", "errors"}),
+    "models": frozenset({"units", "errors"}),
+    "partition": frozenset({"schedule", "units", "errors"}),
+    "pipeline": frozenset({"schedule", "partition", "comm", "units", "errors"}),
+    "checkpoint": frozenset({"pipeline", "comm", "units", "errors"}),
+    "plan": frozenset({"pipeline", "partition", "schedule", "comm", "models", "units", "errors"}),
+    "run": frozenset({"plan", "pipeline", "partition", "schedule", "comm", "models", "checkpoint", "units", "errors"}),
+    "cli": frozenset(
+        {"run", "plan", "pipeline", "partition", "schedule", "comm", "models", "checkpoint", "units", "errors"}
+    ),
     "__main__": frozenset({"cli"}),
 }
 """Which parts of stagewise each part may import (its own modules aside): the layers of DESIGN.md, downwards only."""

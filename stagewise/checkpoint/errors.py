@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from stagewise.errors import StagewiseError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(StagewiseError, ValueError):
     """A checkpoint that cannot be used (missing, incomplete, corrupt, unsafe, from a different model), or a save
     that failed (the partial folder is removed; the previous checkpoint stays the latest)."""
 

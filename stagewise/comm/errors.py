@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from stagewise.errors import StagewiseError
 
-class CommError(RuntimeError):
+
+class CommError(StagewiseError, RuntimeError):
     """A point-to-point wait that failed: it timed out, or the peer is gone."""
 
     def __init__(self, message: str, *, rank: int, peer: int, what: str) -> None:

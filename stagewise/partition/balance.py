@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from stagewise.errors import StagewiseError
 from stagewise.partition.memory import MemoryModel
 from stagewise.partition.range_cost import FloatArray, RangeCost
 from stagewise.partition.shared_cost import Tie, check_ties
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 Weights = Sequence[float] | FloatArray
 
 
-class CapacityError(ValueError):
+class CapacityError(StagewiseError, ValueError):
     """No split fits the devices' memory; names the layer or stage that overflows."""
 
     def __init__(self, message: str, *, stage: int | None, layer: int | None, overflow: float) -> None:

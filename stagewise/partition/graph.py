@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from stagewise.errors import StagewiseError
 from stagewise.partition.graph_variant import depends_on_the_mode
 
 if TYPE_CHECKING:  # torch.export and torch.distributed.pipelining import dynamo: seconds, only when capturing
@@ -33,7 +34,7 @@ _BOOKKEEPING = (_SIZE, *_DROPPED)
 """Ops that do no work: a segment made only of these (and getitem) is merged into the next one."""
 
 
-class CaptureError(TypeError):
+class CaptureError(StagewiseError, TypeError):
     """A model that torch.export cannot capture, or whose graph stagewise cannot cut into a chain."""
 
 

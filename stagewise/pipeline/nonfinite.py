@@ -10,13 +10,15 @@ from typing import Literal
 import torch
 from torch import nn
 
+from stagewise.errors import StagewiseError
+
 log = logging.getLogger(__name__)
 
 NonFinite = Literal["raise", "skip"]
 """What :meth:`stagewise.Pipeline.step` does when the loss is NaN or infinite."""
 
 
-class NonFiniteLossError(FloatingPointError):
+class NonFiniteLossError(StagewiseError, FloatingPointError):
     """The loss of a step was NaN or infinite; the message names the step and the first bad micro-batch."""
 
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from stagewise.errors import StagewiseError
+
 if TYPE_CHECKING:
     from stagewise.pipeline.pipe import Pipeline
 
@@ -24,7 +26,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
-class PretrainedError(ValueError):
+class PretrainedError(StagewiseError, ValueError):
     """Pretrained weights that cannot be read into a pipeline; the message says which file or names, and why."""
 
 

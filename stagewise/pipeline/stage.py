@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
+from stagewise.errors import StagewiseError
 from stagewise.partition import Layer, Segment, SharedParameter
 from stagewise.pipeline.batch_norm import StageNorms
 from stagewise.pipeline.compiled import CompiledGraphs, compile_layers
@@ -29,7 +30,7 @@ _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-pla
 """Autograd's error for an in-place change of a tensor whose gradient is wanted (or of a view of it)."""
 
 
-class StageError(RuntimeError):
+class StageError(StagewiseError, RuntimeError):
     """A stage's layers failed on what they were given; the message names the stage, its layers and the input."""
 
 

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from stagewise.errors import StagewiseError
 from stagewise.models import GPTConfig
 from stagewise.plan.plan_file import read_plan
 from stagewise.run.config import TrainConfig
@@ -52,7 +53,7 @@ MAX_JOB_BYTES = 1 << 20
 """The largest job file read (a job file is some hundred bytes; a planned schedule's text some KiB)."""
 
 
-class JobFileError(ValueError):
+class JobFileError(StagewiseError, ValueError):
     """A job file that cannot be read, or that holds a key or value no run takes; the message names it."""
 
 

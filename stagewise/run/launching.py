@@ -17,6 +17,7 @@ import torch
 
 from stagewise import checkpoint
 from stagewise.comm import LaunchError, launch
+from stagewise.errors import StagewiseError
 from stagewise.run.config import TrainConfig
 from stagewise.run.loop import Summary, preflight
 from stagewise.run.rank import Reporter, run_rank
@@ -39,7 +40,7 @@ class LocalLaunch:
     """Give each local process its own share of the CPUs."""
 
 
-class JobFailedError(Exception):
+class JobFailedError(StagewiseError, RuntimeError):
     """A job whose processes failed, told in one line (the whole report is in the log it names)."""
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from stagewise.errors import StagewiseError
 from stagewise.schedule.actions import Action, Kind, Schedule
 
 
-class ScheduleError(ValueError):
+class ScheduleError(StagewiseError, ValueError):
     """A schedule that cannot run: a missing or repeated action, a broken dependency, or a deadlock."""
 
 
