@@ -2,14 +2,9 @@
 
 from stagewise.comm.agreement import everyone_agrees
 from stagewise.comm.errors import CommError, CommTimeoutError, PeerGoneError, collective_failed, named_collective
-from stagewise.comm.launch import (
-    LaunchOptions,
-    StartMethod,
-    free_port,
-    launch,
-    launch_module,
-)
 from stagewise.comm.launch_failures import LaunchError, RankFailure
+from stagewise.comm.launch_options import LaunchOptions, StartMethod
+from stagewise.comm.launcher import free_port, launch, launch_module
 from stagewise.comm.layout import Coords, Layout
 from stagewise.comm.mesh import Backend, PipelineMesh, choose_backend, init_mesh, world_group
 from stagewise.comm.meta import TensorMeta

@@ -85,7 +85,7 @@ def _failed_at(failure: ProcessFailure) -> float:
     whole seconds the agent records. One without that exited by itself or
     was killed (by the kernel, say) is the failure the agent noticed, and it
     noticed it before any rank that raised had exited (those wait
-    :data:`stagewise.comm.launch.FAILURE_GRACE`): it comes first. One that
+    :data:`stagewise.comm.launched_process.FAILURE_GRACE`): it comes first. One that
     died of SIGTERM without an error file is one the agent stopped after the
     first failure: it comes last.
     """
@@ -99,7 +99,7 @@ def _raised_unrecorded(failures: Mapping[int, ProcessFailure], log_dir: Path) ->
 
     The agent records only the first failed process it notices, and stops the
     others. Every rank that raised left an error file in the last attempt's
-    folder of our log directory before it lingered (:data:`stagewise.comm.launch.FAILURE_GRACE`).
+    folder of our log directory before it lingered (:data:`stagewise.comm.launched_process.FAILURE_GRACE`).
     """
     attempts = [p for p in log_dir.glob("*/attempt_*") if _attempt(p) >= 0]
     if not failures or not attempts:

@@ -34,7 +34,7 @@ def owner_token(directory: str | Path) -> str | None:
 
 def claim(directory: str | Path, job: str, device: torch.device, token: str | None = None) -> None:
     """Before training, rank 0 makes ``directory`` and records there that job ``job`` writes its checkpoints, with
-    the job's ``token`` where it has one (:func:`stagewise.comm.launch.job_token`: the file ``job`` holds the id,
+    the job's ``token`` where it has one (:func:`stagewise.comm.job_identity.job_token`: the file ``job`` holds the id,
     and the token on a second line); every rank calls it. An unwritable directory fails here rather than at the
     first save, and after a failure the restarted ranks of that job find the directory theirs (:func:`owner`,
     :func:`owner_token`), where another job's is not."""

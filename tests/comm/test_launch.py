@@ -16,7 +16,7 @@ from support.multiproc import finish, run_ranks, start_ranks
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from stagewise.comm import LaunchError, Layout, StartMethod, free_port, launch, launch_module
-from stagewise.comm.launch import cpu_shares
+from stagewise.comm.cpu_pinning import cpu_shares
 from stagewise.comm.launch_failures import failures_of, stderr_tail
 
 
@@ -78,7 +78,7 @@ def report_cpus() -> list[frozenset[int]]:
 
 def test_pinned_ranks_keep_every_thread_on_cpus_of_their_own() -> None:
     # A fork server's child inherits the server's threads, which a spawned interpreter has not yet started: the
-    # harder case. Both start methods pin through the same wrapper (_Returning), run before fn.
+    # harder case. Both start methods pin through the same wrapper (LaunchedFunction), run before fn.
     start_method: StartMethod = "forkserver"
     want = cpu_shares(2)  # what the launcher works out from the same CPUs (the runner inherits ours)
     assert not want[0] & want[1] and want[0] and want[1]
@@ -197,11 +197,13 @@ def test_launch_module_reports_the_failing_rank(tmp_path: Path) -> None:
 
 
 def test_bad_launch_arguments() -> None:
-    with pytest.raises(ValueError, match=r"nprocs must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^nprocs must be >= 1, got 0; launch at least one process$"):
         launch(report_rank, 0)
     with pytest.raises(ValueError, match=r"nnodes=2 needs rdzv_endpoint='HOST:PORT'"):
         launch(report_rank, 1, nnodes=2)
-    with pytest.raises(ValueError, match=r"threads must be an int >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"^threads must be >= 1, got 0; give at least 1, or None to leave OMP_NUM_THREADS alone$"
+    ):
         launch(report_rank, 1, threads=0)
     with pytest.raises(ValueError, match=r"device must be 'cpu' or 'auto'"):
         launch(report_rank, 1, device="tpu")  # type: ignore[arg-type]

@@ -21,7 +21,8 @@ from support.multiproc import run_ranks
 from stagewise import checkpoint
 from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
-from stagewise.comm.launch import SHARED_RUN_ID, _children
+from stagewise.comm.job_identity import SHARED_RUN_ID
+from stagewise.comm.launch_options import child_environment
 from stagewise.pipeline import Pipeline
 from stagewise.run import Summary, TrainConfig, folder, train
 from stagewise.run.resume import cannot_tell, owns
@@ -157,8 +158,8 @@ def test_a_restart_trusts_a_unique_job_id_and_a_shared_one_only_with_its_jobs_to
     assert verdict("none", "none", "t2", "t1") is False  # an earlier job under the same id
     assert verdict("none", "none", None, "t1") is None  # no agent store: it cannot tell
     assert verdict("none", "none", "t1", None) is None  # the folder recorded no token
-    shared = _children({"nnodes": 2, "rdzv_endpoint": "node0:29500"})[SHARED_RUN_ID]
-    assert shared == "stagewise-node0:29500" and SHARED_RUN_ID not in _children({"nnodes": 2, "run_id": "j7"})
+    shared = child_environment({"nnodes": 2, "rdzv_endpoint": "node0:29500"})[SHARED_RUN_ID]
+    assert shared == "stagewise-node0:29500" and SHARED_RUN_ID not in child_environment({"nnodes": 2, "run_id": "j7"})
     monkeypatch.setenv(SHARED_RUN_ID, shared)
     assert verdict(shared, shared, "t2", "t1") is False and verdict(shared, shared, "t1", "t1") is True
     assert verdict(shared, shared, None, "t1") is None
