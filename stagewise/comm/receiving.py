@@ -1,4 +1,7 @@
-"""Receiving: a payload posted by Transport.irecv, read as control words, metadata when the layout changes, data."""
+"""Receiving: a payload posted by Transport.irecv, read as control words, metadata when the layout changes, data.
+
+The receiver's side of the protocol of :mod:`stagewise.comm.protocol`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from stagewise.comm.channel import Channel
 from stagewise.comm.errors import CommError
 from stagewise.comm.meta import TensorMeta, decode
 from stagewise.comm.payload import Payload, PayloadLayout, has_bytes
+from stagewise.comm.protocol import control_tag, data_tag, ops
 from stagewise.comm.waits import Work
 from stagewise.comm.wire import Op
 
@@ -26,8 +30,7 @@ class Receiver(Protocol):
     """Steady streams drop their control words: one control receive stays posted for the next change."""
 
     def _channel_from(self, src: int, stream: int) -> Channel: ...
-    def _ops(self, send: bool, tensors: Sequence[torch.Tensor], peer: int, tag: int) -> list[Op]: ...
-    def _post(self, ops: list[Op]) -> list[Work]: ...
+    def _post(self, posted: list[Op]) -> list[Work]: ...
     def _take(self, meta: TensorMeta) -> torch.Tensor: ...
     def _wait_all(self, works: Sequence[Work], src: int, what: str) -> None: ...
     def _receive(self, tensors: Sequence[torch.Tensor], src: int, tag: int, what: str) -> None: ...
@@ -55,13 +58,13 @@ class Receiving:
         self.steady = False
         if expect is not None:
             self.buffers = [t._take(m) for m in expect[1]]
-            self.data_works = t._post(t._ops(False, self.buffers, src, 2 * stream + 1))
+            self.data_works = t._post(ops(False, self.buffers, src, data_tag(stream)))
             return
         self.steady = t.speculate and channel.stable
         if self.steady:
             self._post_steady()
         else:
-            self.control_work = t._post(t._ops(False, [self._control_buffer()], src, 2 * stream))[0]
+            self.control_work = t._post(ops(False, [self._control_buffer()], src, control_tag(stream)))[0]
             self.data_works = []
 
     def _post_steady(self) -> None:
@@ -76,7 +79,7 @@ class Receiving:
                 channel.standing = torch.zeros(2, dtype=torch.int64, device=t.device)
                 control = [channel.standing]
         self.buffers = [t._take(m) for m in channel.layout[1]]
-        works = t._post(t._ops(False, control, src, 2 * stream) + t._ops(False, self.buffers, src, 2 * stream + 1))
+        works = t._post(ops(False, control, src, control_tag(stream)) + ops(False, self.buffers, src, data_tag(stream)))
         if control and t.standing:
             channel.standing_work = works.pop(0)
         elif control:
@@ -135,7 +138,7 @@ class Receiving:
                 t.release(tuple(buffers))  # the sender's stand-in for the old layout
                 buffers = []
             header = torch.empty(words, dtype=torch.int64, device=t.device)
-            t._receive([header], src, 2 * stream, f"{what} (metadata)")
+            t._receive([header], src, control_tag(stream), f"{what} (metadata)")
             layout = decode(header.cpu())
         elif channel.layout is None:
             raise CommError(
@@ -149,7 +152,7 @@ class Receiving:
             layout = channel.layout
         if not buffers:
             buffers = [t._take(m) for m in layout[1]]
-            t._receive(buffers, src, 2 * stream + 1, what)
+            t._receive(buffers, src, data_tag(stream), what)
         channel.stable = not words and has_bytes(layout)
         channel.layout = layout
         return buffers, layout

@@ -187,8 +187,7 @@ def varying_shapes() -> int:
             transport.send(torch.ones(n, 4), 1, what=f"length {n}").wait()
         else:
             transport.release(transport.recv(0, what=f"length {n}"))
-    pooled = sum(len(stack) for stack in transport._pool.values())
-    left = len(transport._in_flight) if dist.get_rank() == 0 else pooled
+    left = len(transport._sends) if dist.get_rank() == 0 else len(transport._pool)
     dist.barrier()
     dist.destroy_process_group()
     return left
