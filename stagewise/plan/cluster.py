@@ -7,6 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from stagewise.errors import whole_number
 from stagewise.units import format_bytes, parse_bytes
 
 
@@ -52,8 +53,7 @@ class Cluster:
     def __post_init__(self) -> None:
         if not self.devices:
             raise ValueError("a cluster needs at least one device")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be a whole number >= 1, got {self.gpus_per_node!r}")
+        whole_number("gpus_per_node", self.gpus_per_node, least=1, fix="give the devices of one node (8 by default)")
         if self.sharding_bandwidth is not None and not 0 < self.sharding_bandwidth < math.inf:
             raise ValueError(f"sharding_bandwidth must be positive and finite or None, got {self.sharding_bandwidth}")
         for name in ("link_bandwidth", "network_bandwidth", "intra_node_bandwidth"):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+from stagewise.errors import is_whole
 from stagewise.models import PRESETS
 from stagewise.plan.workload import OptimizerKind
 from stagewise.schedule import Schedule, ScheduleName
@@ -63,7 +64,7 @@ class PlanField:
 
 
 def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_whole(value) and value >= 1
 
 
 def _one_of(choices: tuple[str, ...]) -> Callable[[Any], bool]:
@@ -76,11 +77,7 @@ def _number(value: Any) -> bool:
 
 def _bounds(value: Any) -> bool:
     """Stage bounds: whole numbers from 0, strictly increasing."""
-    if (
-        not isinstance(value, list)
-        or len(value) < 2
-        or any(isinstance(b, bool) or not isinstance(b, int) for b in value)
-    ):
+    if not isinstance(value, list) or len(value) < 2 or not all(is_whole(b) for b in value):
         return False
     return value[0] == 0 and all(b > a for a, b in itertools.pairwise(value))
 

@@ -19,9 +19,12 @@ from torch import nn
 
 from stagewise.comm import Payload, as_tensors, launch
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
+from stagewise.errors import whole_number
 from stagewise.models import GPT, gpt_parallel, preset
-from stagewise.partition import LayerCost, LiveBytes, SharedParameter, layers_of, profile, shared_parameters
+from stagewise.partition import LayerCost, layers_of, profile, shared_parameters
 from stagewise.partition.call_spec import Inputs, positional_inputs
+from stagewise.partition.layers import SharedParameter
+from stagewise.partition.live_bytes import LiveBytes
 from stagewise.pipeline import LossFn
 from stagewise.plan.tensor_traffic import LayerTraffic, layer_traffic
 
@@ -29,6 +32,14 @@ log = logging.getLogger(__name__)
 
 Built: TypeAlias = "tuple[nn.Module, Payload, tuple[LossFn, Payload] | None]"
 """What a model builder returns: the model on the meta device, one micro-batch of input, the loss and a target."""
+
+
+_COUNTS = {
+    "profiled_batch": "give the samples of the micro-batch the costs were profiled on",
+    "global_batch": "give the samples of one optimizer step over all replicas (--batch-size)",
+    "tokens_per_sample": "give the tokens of one sample (its sequence length), or 1",
+}
+"""The counts a :class:`Workload` holds, each a whole number >= 1, and how to mend one that is not."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +80,8 @@ class Workload:
         return found
 
     def __post_init__(self) -> None:
-        for name in ("profiled_batch", "global_batch", "tokens_per_sample"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        for name, fix in _COUNTS.items():
+            whole_number(name, getattr(self, name), least=1, fix=fix)
         if not 0 <= self.state_multiplier < math.inf:
             raise ValueError(f"state_multiplier must be >= 0 and finite, got {self.state_multiplier}")
 

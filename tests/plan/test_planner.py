@@ -17,7 +17,8 @@ from torch import nn
 from stagewise.cli import main, parser
 from stagewise.cli.train import config_of
 from stagewise.models import build, preset
-from stagewise.partition import LayerCost, LiveBytes, Partition
+from stagewise.partition import LayerCost, Partition
+from stagewise.partition.live_bytes import LiveBytes
 from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.planner import SEARCHED
@@ -25,8 +26,9 @@ from stagewise.plan.synthesised import synthesised
 from stagewise.plan.workload import PASSES_ALLOWED, Workload, _profile_rank, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
 from stagewise.run.loop import schedule_of
-from stagewise.schedule import BUILDERS, Schedule, ScheduleName, peak_in_flight, validate
+from stagewise.schedule import Schedule, ScheduleName, peak_in_flight, validate
 from stagewise.schedule import build as build_schedule
+from stagewise.schedule.builders import BUILDERS
 
 GiB = 2**30
 
@@ -124,6 +126,16 @@ def test_workloads_refuse_bad_counts_and_time_the_optimizer_they_plan_for() -> N
     target = torch.randn(2, 4)
     real = workload(model, torch.randn(2, 8), global_batch=8, measure_on="cpu", loss=(F.mse_loss, target))
     assert real.loss_seconds[0] > 0 and real.loss_seconds[1] > 0
+
+
+def test_counts_are_whole_numbers_refused_in_one_line_with_the_fix() -> None:
+    work = gpt_workload("gpt-tiny", 8, 32)
+    with pytest.raises(TypeError, match=r"^global_batch must be a whole number, got True; give the samples of one "):
+        dataclasses.replace(work, global_batch=True)
+    with pytest.raises(ValueError, match=r"^gpus_per_node must be >= 1, got 0; give the devices of one node"):
+        Cluster((Device(GiB, 1e12),), gpus_per_node=0)
+    with pytest.raises(TypeError, match=r"^gpus_per_node must be a whole number, got 8.0; give the devices of one "):
+        Cluster((Device(GiB, 1e12),), gpus_per_node=8.0)  # type: ignore[arg-type]
 
 
 def test_one_stage_has_no_bubble_and_bad_layouts_are_named() -> None:
