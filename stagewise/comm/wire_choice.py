@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise.comm.process_group_wire import ProcessGroupWire
-from stagewise.comm.shared_memory import connect_shared_memory
+from stagewise.comm.shared_memory_connect import connect_shared_memory
 from stagewise.comm.wire import Wire
 
 SHARED_MEMORY_VARIABLE = "STAGEWISE_SHARED_MEMORY"

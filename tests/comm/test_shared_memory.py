@@ -18,9 +18,18 @@ import torch
 import torch.distributed as dist
 from support.multiproc import run_ranks
 
-from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh, shared_memory_files
-from stagewise.comm import shared_memory as shm_module
-from stagewise.comm.shared_memory import SharedMemoryWire, connect_shared_memory
+from stagewise.comm import (
+    CommTimeoutError,
+    LaunchError,
+    PeerGoneError,
+    Transport,
+    init_mesh,
+    shared_memory_connect,
+    shared_memory_files,
+    shared_memory_segments,
+)
+from stagewise.comm.shared_memory import SharedMemoryWire
+from stagewise.comm.shared_memory_connect import connect_shared_memory
 
 SIZES = [1, 3, 17, 4096, 4097, 70_000, 5 * 2**20 // 4]  # float32 elements: below, at and above segment sizes
 
@@ -111,7 +120,7 @@ def test_a_segment_freed_by_one_peer_is_not_sent_to_another() -> None:
 def transport_round_trip(shared_memory: bool | None, hide: bool) -> tuple[bool, bool]:
     """An echo through a dedicated Transport; ``hide`` makes rank 1 unable to read rank 0's folder."""
     if hide and int(os.environ["RANK"]) == 1:
-        shm_module._reads = lambda path, token: False  # type: ignore[assignment]
+        shared_memory_connect._reads = lambda path, token: False  # type: ignore[assignment]
     init_mesh(2, timeout=30)
     transport = Transport(timeout=30, dedicated=True, shared_memory=shared_memory)
     x = torch.arange(12.0).reshape(3, 4).requires_grad_()
@@ -139,7 +148,7 @@ def test_a_dedicated_transport_uses_shared_memory_only_where_every_rank_reaches_
 
 def insisting() -> tuple[str, str]:
     if int(os.environ["RANK"]) == 1:
-        shm_module._reads = lambda path, token: False  # type: ignore[assignment]
+        shared_memory_connect._reads = lambda path, token: False  # type: ignore[assignment]
     init_mesh(2, timeout=30)
     messages = []
     for dedicated in (False, True):
@@ -342,9 +351,11 @@ def test_a_file_planted_at_the_next_segments_name_does_not_stop_the_wire(
     planted = shared_memory_files.segment_path(sender.folder, 0)  # the first name of sequential numbers
     planted.write_text("someone else's")
     draws = iter([0])  # random numbers: the first drawn is the planted one
-    monkeypatch.setattr(shm_module, "_segment_number", lambda: next(draws, secrets.randbits(62)), raising=False)
+    monkeypatch.setattr(
+        shared_memory_segments, "_segment_number", lambda: next(draws, secrets.randbits(62)), raising=False
+    )
     x = torch.arange(10.0)
-    with caplog.at_level(logging.WARNING, logger=shm_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=shared_memory_segments.__name__):
         assert torch.equal(_echo(sender, receiver, x), x)
     assert f"{planted} exists, made by someone else; trying another name" in caplog.text
     assert planted.read_text() == "someone else's"
@@ -359,7 +370,7 @@ def test_a_segment_name_taken_every_time_is_a_one_line_error_naming_the_path(
     sender, receiver = _pair(tmp_path)
     planted = shared_memory_files.segment_path(sender.folder, 0)
     planted.write_text("someone else's")
-    monkeypatch.setattr(shm_module, "_segment_number", lambda: 0, raising=False)
+    monkeypatch.setattr(shared_memory_segments, "_segment_number", lambda: 0, raising=False)
     with pytest.raises(RuntimeError) as info:
         sender.isend(torch.zeros(4), 1, 0)
     message = str(info.value)
@@ -400,7 +411,7 @@ def test_an_entry_the_orphan_scan_cannot_remove_is_skipped_and_the_scan_goes_on(
 def test_a_send_to_a_peer_whose_pipe_stays_full_times_out_and_the_wire_goes_on(tmp_path: Path) -> None:
     sender, receiver = _pair(tmp_path)
     sender.timeout = 0.5
-    fd = sender._out[1]
+    fd = sender.pipes.out[1]
     fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: a page of records
     records = fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) // 32
     for i in range(records):  # the receiver reads none of them
