@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagewise.errors import whole_number
+
 
 def _check_dim(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    """Refuse a dimension that is not a whole number of ranks, at least one."""
+    whole_number(name, value, least=1, fix="give 1 or more ranks (1: not split)")
 
 
 DIMENSIONS = ("pp", "dp", "fsdp", "tp")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from stagewise.errors import is_whole
+
 DEFAULT_TIMEOUT = 300.0
 """Seconds a rank waits for another (a transfer, a collective, the processes' start) before a named error."""
 
@@ -15,9 +17,9 @@ def checked_timeout(value: object, *, what: str = "timeout") -> float:
         TypeError: not a number (a bool, a string, a timedelta).
         ValueError: zero, negative, infinite or NaN.
     """
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not (is_whole(value) or isinstance(value, float)):
         raise TypeError(f"{what} must be a number of seconds, got {value!r} ({type(value).__name__})")
-    seconds = float(value)
+    seconds = float(value)  # type: ignore[arg-type]  # a whole number or a float
     if not 0 < seconds < math.inf:  # also refuses NaN
         raise ValueError(f"{what} must be a positive, finite number of seconds, got {value!r}")
     return seconds

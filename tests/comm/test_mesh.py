@@ -34,7 +34,7 @@ def test_layout_is_pipeline_outermost() -> None:
     [
         ((0, 1), ValueError, r"pp must be >= 1, got 0"),
         ((2, 0), ValueError, r"dp must be >= 1, got 0"),
-        ((2.0, 1), TypeError, r"pp must be an int, got float"),
+        ((2.0, 1), TypeError, r"pp must be a whole number, got 2.0"),
     ],
 )
 def test_bad_layout(args: tuple[object, object], error: type[Exception], pattern: str) -> None:
@@ -203,7 +203,7 @@ def test_a_sharded_layout_that_does_not_fit_the_world_is_refused(monkeypatch: py
         r"whose product is 4, or launch 8 processes$",
     ):
         init_mesh(2, 2, fsdp=2)
-    with pytest.raises(ValueError, match=r"^tp must be >= 1, got 0$"):
+    with pytest.raises(ValueError, match=r"^tp must be >= 1, got 0; give 1 or more ranks \(1: not split\)$"):
         init_mesh(2, None, tp=0)
     assert not dist.is_initialized()
 
