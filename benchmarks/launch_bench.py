@@ -21,7 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from stagewise.comm import StartMethod, launch
+from stagewise.comm import launch
+from stagewise.comm.launch_options import StartMethod
 
 
 def all_reduce_once() -> int:

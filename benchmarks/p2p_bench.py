@@ -27,7 +27,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from stagewise.comm import TensorMeta, Transport, init_mesh, launch
+from stagewise.comm import Transport, init_mesh, launch
+from stagewise.comm.meta import TensorMeta
 
 
 def _raw_round_trip(t: torch.Tensor, buf: torch.Tensor, rank: int) -> None:

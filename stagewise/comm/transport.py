@@ -71,7 +71,7 @@ class Transport:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("Transport needs an initialised process group; call stagewise.comm.init_mesh first")
-        whole_number("streams", streams, least=1, fix="a transport carries one stream at least (the default)")
+        whole_number("streams", streams, least=1, fix="give 1 (the default) or more")
         self.device = torch.device(device)
         self.timeout = checked_timeout(timeout)
         """Seconds each wait may last."""

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise.checkpoint import CheckpointError
-from stagewise.comm import everyone_agrees
+from stagewise.comm.agreement import everyone_agrees
 
 JOB_FILE = "job"
 """The file in a checkpoint directory that names the job writing checkpoints there (see :func:`claim`)."""

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from stagewise.comm import Payload
+from stagewise.comm.payload import Payload
 from stagewise.models import GPTConfig, ModelConfig
 from stagewise.partition import Layer, layers_of
 from stagewise.partition.profile import working_copy

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stagewise.comm import CommTimeoutError, PeerGoneError, collective_failed
-from stagewise.comm.errors import failed_between_ranks
+from stagewise.comm import CommTimeoutError, PeerGoneError
+from stagewise.comm.errors import collective_failed, failed_between_ranks
 
 
 def test_timeouts_and_lost_peers_are_between_ranks_and_misuse_is_not() -> None:

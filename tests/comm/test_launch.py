@@ -15,9 +15,11 @@ import torch.distributed as dist
 from support.multiproc import finish, run_ranks, start_ranks
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from stagewise.comm import LaunchError, Layout, StartMethod, free_port, launch, launch_module
+from stagewise.comm import LaunchError, Layout, launch
 from stagewise.comm.cpu_pinning import cpu_shares
 from stagewise.comm.launch_failures import failures_of, stderr_tail
+from stagewise.comm.launch_options import StartMethod
+from stagewise.comm.launcher import free_port, launch_module
 
 
 def report_rank() -> tuple[int, int, str, str, int, str | None]:

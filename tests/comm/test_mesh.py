@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from support.multiproc import run_ranks
 
-from stagewise.comm import Coords, LaunchError, Layout, PipelineMesh, init_mesh
+from stagewise.comm import LaunchError, Layout, PipelineMesh, init_mesh
+from stagewise.comm.layout import Coords
 
 
 def test_layout_is_pipeline_outermost() -> None:

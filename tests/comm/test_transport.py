@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.multiproc import run_ranks
 
-from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, TensorMeta, Transport, as_tensors, init_mesh
-from stagewise.comm.meta import DTYPES, decode, encode
+from stagewise.comm import CommTimeoutError, LaunchError, PeerGoneError, Transport, init_mesh
+from stagewise.comm.meta import DTYPES, TensorMeta, decode, encode
+from stagewise.comm.payload import as_tensors
 
 DTYPE_CHOICES = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
 
