@@ -8,10 +8,12 @@ from typing import Any
 
 from stagewise.plan import plan_file
 from stagewise.plan.cluster import Cluster
-from stagewise.plan.evaluate import cached_schedule, evaluate
+from stagewise.plan.evaluate import evaluate
 from stagewise.plan.option import Option, Plan
+from stagewise.plan.setting import cached_schedule
 from stagewise.plan.workload import Workload
-from stagewise.schedule import BUILDERS, ScheduleName
+from stagewise.schedule import ScheduleName
+from stagewise.schedule.builders import BUILDERS
 
 log = logging.getLogger(__name__)
 

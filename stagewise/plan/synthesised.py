@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from stagewise.plan.cluster import Cluster
-from stagewise.plan.evaluate import cached_schedule, stage_costs
+from stagewise.plan.evaluate import stage_costs
 from stagewise.plan.option import Option
+from stagewise.plan.setting import cached_schedule
 from stagewise.plan.workload import Workload
-from stagewise.schedule import Synthesis, peak_in_flight, synthesise
+from stagewise.schedule import peak_in_flight, synthesise
+from stagewise.schedule.synthesis import Synthesis
 
 MOST_RANKS = 16
 MOST_MICROBATCHES = 64

@@ -1,5 +1,5 @@
-"""What tensor parallelism costs each layer: whether it splits, and the collectives of one micro-batch, read from
-the tensor-parallel plan that ``train`` applies."""
+"""What the tensor-parallel plan that ``train`` applies makes each layer do: whether it splits, and its collectives
+in one micro-batch (what they cost is :mod:`stagewise.plan.tensor_parallel`'s)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from stagewise.partition import Layer
 from stagewise.pipeline import TensorParallelPlan
-
-REPLICATED_ACTIVATIONS = 0.25
-"""The share of a split layer's saved activations that every ``tp`` rank keeps whole: in a GPT block, the residual
-stream and the layer norms' inputs and outputs, 4 of the 17 activations of ``d`` values per token it saves (the
-attention's q, k, v and output and the MLP's hidden units split). An approximation for other plans."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +63,3 @@ def layer_traffic(layers: Sequence[Layer], plan: TensorParallelPlan, tp: int) ->
         many = styles.values() if isinstance(styles, Mapping) else (styles,)
         out.append(_of(many))
     return tuple(out)
-
-
-def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float, *, all_reduce: bool) -> float:
-    """A ring all-reduce (or all-gather) of ``nbytes`` over ``ranks``: ``2 (n-1)/n`` (or ``(n-1)/n``) of it on the
-    wire at ``bandwidth``, after ``latency``."""
-    if ranks == 1:
-        return 0.0
-    share = (ranks - 1) / ranks * (2 if all_reduce else 1)
-    return latency + share * nbytes / bandwidth

@@ -21,7 +21,10 @@ from stagewise.partition import LayerCost, Partition
 from stagewise.partition.live_bytes import LiveBytes
 from stagewise.plan import Option, candidates, evaluate, load_plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
+from stagewise.plan.evaluate import partitioned
 from stagewise.plan.planner import SEARCHED
+from stagewise.plan.rejection import Rejection
+from stagewise.plan.setting import Setting, Settings
 from stagewise.plan.synthesised import synthesised
 from stagewise.plan.workload import PASSES_ALLOWED, Workload, _profile_rank, measure_optimizer, workload
 from stagewise.run import TrainConfig, train
@@ -83,6 +86,24 @@ def test_a_rejection_names_the_stage_that_overflows_its_own_device() -> None:
     assert interleaved.rejected is not None and interleaved.rejected.endswith(
         "; each device holds 2 stages of the interleaved schedule, so a stage gets 1/2 of it"
     ), interleaved.rejected
+
+
+def test_a_refusal_is_one_typed_result_with_the_memory_it_would_need() -> None:
+    # The setting of a layout and its partition each come back as a Rejection where they cannot be had, never as a
+    # string or an Option standing in for one.
+    costs = tuple(
+        LayerCost(name=f"l{i}", params=GiB // 4, param_bytes=GiB, buffer_bytes=0, flops=10**12,
+                  forward_flops=10**12 // 3, output_bytes=1024, saved_bytes=GiB, time=None)
+        for i in range(4)
+    )  # fmt: skip
+    work = Workload(costs=costs, profiled_batch=1, global_batch=4, input_bytes=1024)
+    settings = Settings(work, Cluster((Device(100 * GiB, 1e14), Device(5 * GiB, 1e14))))
+    assert settings.of(Option(2, 1, 1, 3, "1f1b", False)) == Rejection("batch 4 per replica not divisible by m=3")
+    setting = settings.of(Option(2, 1, 1, 4, "1f1b", False))
+    assert isinstance(setting, Setting)
+    assert partitioned(setting) == Rejection(
+        "stage 1 needs 5.000001 GiB > 5.000000 GiB (in the leanest split)", rank_memory=(5 * GiB + 1024,)
+    )
 
 
 def test_mixed_devices_shape_the_partition() -> None:
