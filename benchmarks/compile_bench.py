@@ -26,7 +26,7 @@ import torch.distributed as dist
 from stagewise.comm import init_mesh, launch
 from stagewise.models.gpt import GPTConfig
 from stagewise.partition import auto
-from stagewise.pipeline import Compute, Pipeline, PipelineOptions
+from stagewise.pipeline import Compute, Pipeline, PipelineOptions, WeightGradientFusion
 
 VARIANTS = ("eager", "eager unfused", "compiled")
 """Eager as by default (large linear weights' gradients fused into the backward), eager with autograd accumulating
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.manual_seed(0)
             options = PipelineOptions(compute=Compute(compile=variant == "compiled"))
             if variant == "eager unfused":
-                options = dataclasses.replace(options, fuse_weight_gradients=None)
+                options = dataclasses.replace(options, fuse_weight_gradients=WeightGradientFusion.off())
             pipe = Pipeline(
                 config.build(device="meta"), part, schedule=schedule, n_microbatches=args.microbatches,
                 loss_fn=GPTConfig.loss, mesh=mesh, options=options,

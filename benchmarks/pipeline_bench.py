@@ -63,14 +63,10 @@ from torch.distributed.tensor import DTensor
 
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
-from stagewise.pipeline import (
-    FusedWeightGradients,
-    Pipeline,
-    PipelineOptions,
-    WeightGradientFusion,
-    WeightGradientStore,
-)
-from stagewise.schedule import StageCosts, Synthesis, synthesise
+from stagewise.pipeline import Pipeline, PipelineOptions, WeightGradientFusion
+from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientStore
+from stagewise.schedule import StageCosts, synthesise
+from stagewise.schedule.synthesis import Synthesis
 
 
 class Block(nn.Module):
@@ -201,14 +197,14 @@ def _torch_step(sched: Any, mine: nn.Module, rank: int, x: torch.Tensor, y: torc
 UNFUSED = " (autograd accumulation)"
 POOLED = ", pool 2"
 UNPOOLED = ", no pool"
-VARIANTS: dict[str, WeightGradientFusion | None] = {
+VARIANTS: dict[str, WeightGradientFusion] = {
     "gpipe": WeightGradientFusion(),
     "1f1b": WeightGradientFusion(),
     f"1f1b{UNPOOLED}": WeightGradientFusion(pool=1),
     f"1f1b{POOLED}": WeightGradientFusion(pool=2),
     "zero-bubble": WeightGradientFusion(),
-    f"gpipe{UNFUSED}": None,
-    f"1f1b{UNFUSED}": None,
+    f"gpipe{UNFUSED}": WeightGradientFusion.off(),
+    f"1f1b{UNFUSED}": WeightGradientFusion.off(),
 }
 """stagewise's variants and their weight-gradient accumulation: the default (``pool="free"``: GPipe pools the whole
 step, 1F1B on stage 1 pools 2 backwards, what fits in stage 0's peak, zero-bubble's W adds each micro-batch's), 1F1B

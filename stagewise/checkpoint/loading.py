@@ -66,7 +66,7 @@ def _check_optimizer(
 def _held_ties(pipe: Pipeline, model_state: Mapping[str, torch.Tensor], stored: Mapping[str, Any]) -> list[list[str]]:
     """For each tied parameter this rank holds, the names it has in the checkpoint (two or more)."""
     out = []
-    for tie in pipe.ties.shared:
+    for tie in pipe.model_names.tied:
         names = [n for n in tie.names if MODEL + n in stored]
         if len(names) > 1 and any(n in model_state for n in tie.names):
             out.append(names)
@@ -81,7 +81,7 @@ def _optimizer_keys(pipe: Pipeline, stored: Mapping[str, Any]) -> dict[nn.Parame
     name first, else the first in the model's order.
     """
     params = dict(pipe.named_parameters())
-    aliases = {name: tie.names for tie in pipe.ties.shared for name in tie.names}
+    aliases = {name: tie.names for tie in pipe.model_names.tied for name in tie.names}
     by_name: dict[str, list[str]] = {}
     for key in stored:
         if key.startswith(OPTIM):
@@ -128,7 +128,7 @@ def _reading(
     reader: SafeReader,
     stored: Mapping[str, Any],
 ) -> _Reading:
-    device = pipe.device
+    device = pipe.mesh.device
     state: dict[str, Any] = {MODEL + k: v for k, v in model_state.items()}
     ties = _held_ties(pipe, model_state, stored)
     for names in ties:  # each stored name of a tied parameter in a buffer of its own, to compare them
@@ -171,7 +171,7 @@ def _apply(
         for names in ties
         if not all(torch.equal(local(state[MODEL + names[0]]), local(state[MODEL + n])) for n in names)
     ]
-    if not everyone_agrees(not differ, pipe.device):
+    if not everyone_agrees(not differ, pipe.mesh.device):
         raise CheckpointError(
             f"the checkpoint {path} holds different values for {', '.join(differ[0]) if differ else 'parameters'} "
             "that this model ties into one (on some rank): it was saved from a model that does not tie them; "
@@ -188,7 +188,7 @@ def _apply(
     if read.rng is not None:
         torch.set_rng_state(state[read.rng])
     if read.cuda_rng is not None:
-        torch.cuda.set_rng_state(state[read.cuda_rng], pipe.device)
+        torch.cuda.set_rng_state(state[read.cuda_rng], pipe.mesh.device)
 
 
 def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | None = None) -> record.Progress:
@@ -204,7 +204,7 @@ def load(path: str | Path, pipe: Pipeline, optimizer: torch.optim.Optimizer | No
     reader = SafeReader(path)
     stored = reader.read_metadata().state_dict_metadata
     model_state = pipe.state_dict()
-    _check_keys(model_state, pipe.model_keys, stored, path)
+    _check_keys(model_state, pipe.model_names.keys, stored, path)
     _check_shapes(model_state, stored, path)
     read = _reading(path, pipe, model_state, optimizer, reader, stored)
     read_tensors(read.state, reader, stored, alone=False)

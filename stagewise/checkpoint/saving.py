@@ -72,8 +72,8 @@ def state_of(
         state[OPTIMIZER] = torch.tensor(list(type(optimizer).__name__.encode()), dtype=torch.uint8)
     state[record.KEY] = record.encode(progress)
     state[f"rng/{rank}"] = torch.get_rng_state()
-    if pipe.device.type == "cuda":  # dropout on the GPU draws from the device's generator
-        state[f"cuda_rng/{rank}"] = torch.cuda.get_rng_state(pipe.device)
+    if pipe.mesh.device.type == "cuda":  # dropout on the GPU draws from the device's generator
+        state[f"cuda_rng/{rank}"] = torch.cuda.get_rng_state(pipe.mesh.device)
     return state
 
 
@@ -203,8 +203,8 @@ def save(
     ``keep`` checkpoints are kept (older ones renamed aside, then deleted).
     """
     target = _Target(Path(directory), progress.step, keep)
-    _begin(target, pipe.device, None)
-    _written(state_of(pipe, optimizer, progress), target, pipe.device, None)
+    _begin(target, pipe.mesh.device, None)
+    _written(state_of(pipe, optimizer, progress), target, pipe.mesh.device, None)
     return target.final
 
 
@@ -226,7 +226,7 @@ class Checkpointer:
         self.keep = keep
         self.asynchronous = asynchronous
         self._group: dist.ProcessGroup | None = None
-        self._device = pipe.device
+        self._device = pipe.mesh.device
         if asynchronous and dist.is_initialized():
             self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=pipe.mesh.timeout))
             self._device = torch.device("cpu")

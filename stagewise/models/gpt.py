@@ -99,7 +99,7 @@ class GPTConfig:
     @staticmethod
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Next-token cross-entropy summed over the positions whose target is not :data:`IGNORE_INDEX` (padding):
-        a pipeline with ``loss_reduction="tokens"`` divides it by the global batch's count of those positions."""
+        a pipeline with ``Loss(reduction="tokens")`` divides it by the global batch's count of those positions."""
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
 

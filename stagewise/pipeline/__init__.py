@@ -1,25 +1,33 @@
-"""The runtime: the Pipeline running a schedule on its stages, with its data, parallelism and gradient parts."""
+"""The runtime: the Pipeline running a schedule on its stages, with its data, parallelism and gradient parts.
 
-from stagewise.pipeline.batch_norm import BatchNormStatistics
-from stagewise.pipeline.clip import clip_grad_norm_
+Exported here is what a user calls: the Pipeline, its options and their types, the loader of each rank's
+batches, pretrained weights and meta-device materialisation, the errors to catch, and torch interop. Everything
+else is importable from its own module.
+"""
+
 from stagewise.pipeline.config import (
+    BatchNormStatistics,
     Compute,
     DataParallel,
     Diagnostics,
     FullySharded,
+    Initialiser,
+    Loss,
+    LossFn,
+    LossReduction,
+    NonFinite,
     PipelineOptions,
     TensorParallelPlan,
+    WeightGradientFusion,
 )
-from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
 from stagewise.pipeline.interop import torch_pipe, torch_runtime, torch_stages
 from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
 from stagewise.pipeline.materialise import materialise_model
-from stagewise.pipeline.microbatch import LossFn, LossReduction
-from stagewise.pipeline.nonfinite import NonFinite, NonFiniteLossError
+from stagewise.pipeline.nonfinite import NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
-from stagewise.pipeline.pretrained import PretrainedError, PretrainedLoad, load_pretrained, weight_files
+from stagewise.pipeline.pretrained import PretrainedError, load_pretrained
 from stagewise.pipeline.stage import StageError
-from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
+from stagewise.pipeline.torch_schedules import from_torch, to_torch
 
 __all__ = [
     "Batch",
@@ -28,8 +36,9 @@ __all__ = [
     "DataParallel",
     "Diagnostics",
     "FullySharded",
-    "FusedWeightGradients",
+    "Initialiser",
     "LoaderOptions",
+    "Loss",
     "LossFn",
     "LossReduction",
     "NonFinite",
@@ -37,14 +46,10 @@ __all__ = [
     "Pipeline",
     "PipelineOptions",
     "PretrainedError",
-    "PretrainedLoad",
     "StageError",
     "StageLoader",
     "TensorParallelPlan",
     "WeightGradientFusion",
-    "WeightGradientStore",
-    "clip_grad_norm_",
-    "from_actions",
     "from_torch",
     "load_pretrained",
     "materialise_model",
@@ -52,5 +57,4 @@ __all__ = [
     "torch_pipe",
     "torch_runtime",
     "torch_stages",
-    "weight_files",
 ]

@@ -16,17 +16,17 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
 from stagewise.comm import named_collective
-from stagewise.partition import Layer, Segment
+from stagewise.partition import Layer
+from stagewise.partition.segment import Segment
+from stagewise.pipeline.config import BatchNormStatistics
 
 log = logging.getLogger(__name__)
-
-BatchNormStatistics = Literal["auto", "micro-batch", "batch", "global-batch"]
-"""Which batch moves the running statistics of batch norms in training (see ``PipelineOptions.batch_norm``)."""
 
 StatisticsSource = Literal["micro-batch", "batch", "global-batch"]
 """A :data:`BatchNormStatistics` with "auto" resolved for a model (see :func:`statistics_source`)."""
 
 CHOICES: tuple[str, ...] = get_args(BatchNormStatistics)
+"""Every :data:`BatchNormStatistics`."""
 
 _UNDEFERRABLE = frozenset(
     {

@@ -1,25 +1,38 @@
-"""Pipeline's settings: the rarer knobs in documented groups, each checked on construction, and checked_schedule()."""
+"""Every option of a Pipeline: the types of its settings and the documented groups of its rarer knobs, each checked
+on construction."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from stagewise.partition import Layer, Partition
-from stagewise.pipeline.batch_norm import CHOICES, BatchNormStatistics
-from stagewise.pipeline.fusion import WeightGradientFusion
-from stagewise.pipeline.materialise import Initialiser
-from stagewise.pipeline.microbatch import LossFn, LossReduction
-from stagewise.pipeline.nonfinite import NonFinite
-from stagewise.schedule.actions import Schedule
-from stagewise.schedule.builders import ScheduleName, build
-from stagewise.schedule.validate import validate
+from stagewise.comm import Payload
+from stagewise.errors import is_whole, whole_number
+from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS
+
+LossFn = Callable[[Payload, Payload], torch.Tensor]
+"""``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
+
+LossReduction = Literal["mean", "sum", "tokens"]
+"""How ``loss_fn`` reduces over a batch: the mean or the sum over its samples, or the sum over its tokens, which
+the pipeline divides by the global batch's valid tokens (see :mod:`stagewise.pipeline.loss.tokens`)."""
+
+NonFinite = Literal["raise", "skip"]
+"""What :meth:`stagewise.Pipeline.step` does when the loss is NaN or infinite."""
+
+BatchNormStatistics = Literal["auto", "micro-batch", "batch", "global-batch"]
+"""Which batch moves the running statistics of batch norms in training (see ``PipelineOptions.batch_norm``)."""
+
+Initialiser = Callable[[nn.Module], None]
+"""``init(module)``: give ``module``'s own parameters and buffers (not its children's) their initial values, as
+a Hugging Face model's ``_init_weights`` does; it is called for every module to initialise, children first, under
+a generator seeded from ``(seed, layer)``."""
 
 TensorParallelPlan = Callable[[str, nn.Module, int], Mapping[str, ParallelStyle] | ParallelStyle | None]
 """``plan(name, module, tp)``: how to split the layer ``name`` (as :func:`~stagewise.partition.layers_of` names
@@ -31,6 +44,126 @@ split the layer over ``tp`` ranks raises ``ValueError`` saying what would fit. T
 
 CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 """A DDP communication hook: ``hook(state, bucket)`` returns a future of the reduced bucket."""
+
+
+@dataclass(frozen=True)
+class Loss:
+    """How the micro-batches' losses make the batch's, and what a step does when that loss is not finite."""
+
+    reduction: LossReduction = "mean"
+    """How ``loss_fn`` reduces over a batch: "mean" (torch's losses' default) weights each micro-batch's loss by
+    its share of the batch; "sum" adds them; "tokens" takes the mean over the valid target tokens of the global
+    batch, as Hugging Face's language-model losses do on padded batches: ``loss_fn`` returns the *sum* of its
+    micro-batch's per-token losses (e.g. ``F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+    ignore_index=-100, reduction="sum")``), and each sum is divided by the count of targets other than
+    ``ignore_index`` over every micro-batch of every replica (of the first tensor, where the targets are a tuple).
+    Replicas' batches may then differ in size; a global batch without valid tokens is refused on every rank."""
+    ignore_index: int = -100
+    """With ``reduction="tokens"``: the target value that marks a position no loss counts (padding), as
+    ``ignore_index`` does in ``F.cross_entropy`` (whose default, and Hugging Face's, is -100); unused otherwise."""
+    shift_labels: bool = False
+    """With ``reduction="tokens"``: the targets are Hugging Face's labels, the inputs themselves
+    (``labels = input_ids``), which ``loss_fn`` shifts by one inside (as ``ForCausalLMLoss`` does), so the first
+    target of each sample predicts nothing and the count leaves it out. False: the targets are given shifted
+    (each position's next token), and every one other than ``ignore_index`` counts."""
+    nonfinite: NonFinite = "raise"
+    """When the loss is NaN or infinite: "raise" :class:`~stagewise.pipeline.NonFiniteLossError` naming the step
+    and micro-batch (on every rank), or "skip" the step: its gradients are dropped (those accumulated over earlier
+    steps are kept, from a copy taken at the start of each step that finds some; with none, ``.grad`` is None, so
+    the optimizer's step changes nothing) and ``Pipeline.skipped`` is True."""
+
+    def __post_init__(self) -> None:
+        if self.reduction not in get_args(LossReduction):
+            raise ValueError(
+                f"Loss.reduction must be 'mean', 'sum' or 'tokens', got {self.reduction!r}; "
+                "'tokens' is the mean over the valid target tokens of a padded batch"
+            )
+        whole_number("Loss.ignore_index", self.ignore_index)
+        if not isinstance(self.shift_labels, bool):
+            raise TypeError(f"Loss.shift_labels must be True or False, got {self.shift_labels!r}")
+        if self.nonfinite not in get_args(NonFinite):
+            raise ValueError(f"Loss.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+
+
+DEFAULT_MIN_ELEMENTS = 1 << 20
+"""Weights smaller than this (4 MiB in fp32) are left to autograd when each backward accumulates its own.
+
+Their gradients stay in cache, where autograd's separate addition costs less
+than the Python overhead of the fused backward. Measured on a 2-core CPU,
+one process, 8 micro-batches of 8 rows through residual-MLP blocks: fusing
+every weight took 0.72-0.80x autograd's step time with 4M-element weights,
+1.09-1.23x with 262k-element ones.
+"""
+
+
+@dataclass(frozen=True)
+class WeightGradientFusion:
+    """How :class:`stagewise.Pipeline` accumulates the weight gradients of linear layers over micro-batches.
+
+    Each backward either adds its weight gradients into ``.grad`` itself
+    (fused: one GEMM per micro-batch that writes into ``.grad``), or leaves
+    them to a :class:`WeightGradientStore` so that ``pool`` backwards' are
+    summed by one GEMM per weight (pooled). Weights below the size thresholds
+    are left to autograd.
+    """
+
+    min_elements: int = DEFAULT_MIN_ELEMENTS
+    """Fuse the linear weights of at least this many elements, when each backward accumulates its own."""
+    min_pooled_elements: int = DEFAULT_MIN_POOLED_ELEMENTS
+    """Fuse the linear weights of at least this many elements, when backwards pool their weight gradients."""
+    pool: int | Literal["free"] | None = "free"
+    """How many consecutive backwards of a rank pool their weight gradients into one GEMM per weight.
+
+    A pool of k > 1 keeps each fused linear's input and output gradient for up
+    to k backwards: less memory traffic where weights are large, more memory
+    held, about one micro-batch's activations per pooled backward. "free"
+    (the default) chooses, per rank, the largest pool that keeps what the rank
+    holds within what the pipeline's fullest rank holds in flight anyway
+    (:func:`stagewise.schedule.free_pool`): the whole step for GPipe; under
+    1F1B over p ranks, r + 1 on rank r, so the first rank pools nothing and
+    the others fill up to its p micro-batches. The planner and
+    ``stagewise.partition.memory_model`` count this (``stagewise.schedule.holdings``);
+    with activation checkpointing "free" pools nothing, since a pooled
+    backward would keep more than the checkpointed forward did. None keeps
+    each stage within its own micro-batches in flight: all of a step's where
+    every forward of a stage runs before its first backward (GPipe),
+    otherwise 1 (nothing pooled). A split backward (zero-bubble) pools
+    nothing: each micro-batch's W adds what its I left.
+    """
+    enabled: bool = True
+    """Whether backwards fuse at all; False (:meth:`off`) leaves the accumulation of every gradient to autograd."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_elements", "min_pooled_elements"):
+            value = getattr(self, name)
+            if not is_whole(value) or value < 0:
+                raise ValueError(
+                    f"WeightGradientFusion.{name} must be a number of elements >= 0, got {value!r}; "
+                    "0 fuses every linear weight"
+                )
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"WeightGradientFusion.enabled must be True or False, got {self.enabled!r}")
+        pool = self.pool
+        if pool is not None and pool != "free" and (not is_whole(pool) or pool < 1):
+            raise ValueError(
+                f"WeightGradientFusion.pool must be a number of backwards >= 1, 'free' or None, got {pool!r}; "
+                "1 pools nothing, None lets the schedule choose, 'free' pools what fits in the pipeline's peak"
+            )
+
+    @classmethod
+    def every(cls, pool: int | Literal["free"] | None = "free") -> WeightGradientFusion:
+        """Fuse every linear weight, whatever its size, pooling as ``pool`` says (the default's by default)."""
+        return cls(min_elements=0, min_pooled_elements=0, pool=pool)
+
+    @classmethod
+    def off(cls) -> WeightGradientFusion:
+        """No fusion: autograd accumulates every weight gradient, and hooks on a parameter's gradient accumulator
+        see every backward."""
+        return cls(enabled=False)
+
+    def threshold(self, *, pooled: bool) -> int:
+        """The smallest weight to fuse, with or without pooling."""
+        return self.min_pooled_elements if pooled else self.min_elements
 
 
 @dataclass(frozen=True)
@@ -122,24 +255,17 @@ class Compute:
 
 @dataclass(frozen=True)
 class Diagnostics:
-    """What a step records of itself, and what it does when its loss is not finite."""
+    """What a step records of itself."""
 
     chrome_trace: str | Path | None = None
     """Write a Chrome/Perfetto trace of each step here (one file per rank, ``.rank{N}`` added before the suffix);
     None writes none. (A trace of the executed actions, not a torch.export capture of the model.)"""
-    nonfinite: NonFinite = "raise"
-    """When the loss is NaN or infinite: "raise" :class:`~stagewise.pipeline.NonFiniteLossError` naming the step
-    and micro-batch (on every rank), or "skip" the step: its gradients are dropped (those accumulated over earlier
-    steps are kept, from a copy taken at the start of each step that finds some; with none, ``.grad`` is None, so
-    the optimizer's step changes nothing) and ``Pipeline.skipped`` is True."""
 
     def __post_init__(self) -> None:
         if self.chrome_trace is not None and not isinstance(self.chrome_trace, str | Path):
             raise TypeError(
                 f"Diagnostics.chrome_trace must be a path (str or pathlib.Path) or None, got {self.chrome_trace!r}"
             )
-        if self.nonfinite not in ("raise", "skip"):
-            raise ValueError(f"Diagnostics.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
 
 
 @dataclass(frozen=True)
@@ -147,54 +273,43 @@ class PipelineOptions:
     """The rarer knobs of a :class:`~stagewise.Pipeline`, grouped by what they are about; the defaults suit
     most runs, so the common call passes none: ``Pipeline(..., options=PipelineOptions(seed=7))``."""
 
-    n_virtual: int = 1
-    """Stages per rank (interleaved schedules): ``partition.n_stages`` must be ``n_ranks * n_virtual``."""
-    device: torch.device | str | None = None
-    """Where this rank computes; None: the mesh's device."""
+    n_virtual: int | None = None
+    """Stages per rank (interleaved schedules): ``partition.n_stages`` must be ``n_ranks * n_virtual``. None: the
+    schedule's own (a named schedule is built with 1, a :class:`~stagewise.schedule.Schedule` passed in has its
+    own); a number given with a ``Schedule`` must be the schedule's."""
     seed: int = 0
     """The seed of layer initialisation for layers on the meta device (layer i from ``(seed, i)``)."""
     init: Initialiser | None = None
     """How layers on the meta device are initialised: a callable that gives one module's own tensors their values
-    (see :data:`stagewise.pipeline.materialise.Initialiser`); None: the model's own initialiser where it has one
-    (a Hugging Face model's ``_init_weights``), else each module's ``reset_parameters``."""
-    loss_reduction: LossReduction = "mean"
-    """How ``loss_fn`` reduces over a batch: "mean" (torch's losses' default) weights each micro-batch's loss by
-    its share of the batch; "sum" adds them; "tokens" takes the mean over the valid target tokens of the global
-    batch, as Hugging Face's language-model losses do on padded batches: ``loss_fn`` returns the *sum* of its
-    micro-batch's per-token losses (e.g. ``F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
-    ignore_index=-100, reduction="sum")``), and each sum is divided by the count of targets other than
-    ``ignore_index`` over every micro-batch of every replica (of the first tensor, where the targets are a tuple).
-    Replicas' batches may then differ in size; a global batch without valid tokens is refused on every rank."""
-    ignore_index: int = -100
-    """With ``loss_reduction="tokens"``: the target value that marks a position no loss counts (padding), as
-    ``ignore_index`` does in ``F.cross_entropy`` (whose default, and Hugging Face's, is -100); unused otherwise."""
-    shift_labels: bool = False
-    """With ``loss_reduction="tokens"``: the targets are Hugging Face's labels, the inputs themselves
-    (``labels = input_ids``), which ``loss_fn`` shifts by one inside (as ``ForCausalLMLoss`` does), so the first
-    target of each sample predicts nothing and the count leaves it out. False: the targets are given shifted
-    (each position's next token), and every one other than ``ignore_index`` counts."""
+    (see :data:`Initialiser`); None: the model's own initialiser where it has one (a Hugging Face model's
+    ``_init_weights``), else each module's ``reset_parameters``."""
+    loss: Loss = field(default_factory=Loss)
+    """How the micro-batches' losses make the batch's (mean, sum or token mean, the padding's ``ignore_index``,
+    Hugging Face's shifted labels), and what a non-finite loss does."""
     compute: Compute = field(default_factory=Compute)
     """Precision and recomputation of the stages' forwards."""
     diagnostics: Diagnostics = field(default_factory=Diagnostics)
-    """The Chrome trace of each step, and the non-finite loss policy."""
-    fuse_weight_gradients: WeightGradientFusion | None = field(default_factory=WeightGradientFusion)
+    """The Chrome trace of each step."""
+    fuse_weight_gradients: WeightGradientFusion = field(default_factory=WeightGradientFusion)
     """How backwards accumulate the gradients of large linear weights (:class:`WeightGradientFusion`): straight
     into ``.grad`` (one GEMM per micro-batch, not a GEMM into a new tensor and then an addition), as Megatron-LM's
     gradient-accumulation fusion does, or pooled over several backwards into one GEMM per weight (by default each
     rank pools what fits in the pipeline's peak in flight: GPipe a whole step, 1F1B r + 1 backwards on rank r;
-    zero-bubble's W adds each micro-batch's). None leaves accumulation to autograd. Hooks on a parameter's
-    gradient accumulator see only the backwards not fused (with ``dp > 1``, each stage's last of a step, which DDP
-    all-reduces); pass None if they must see every micro-batch. With ``DataParallel(find_unused_parameters=True)``
-    there is no fusion: DDP learns from those hooks which parameters each replica used."""
-    data_parallel: DataParallel | None = None
-    """DDP's options for the replicas of each stage when the mesh has ``dp > 1``; None: ``DataParallel()``."""
-    fully_sharded: FullySharded | None = None
-    """How stages are sharded over the mesh's ``fsdp`` ranks; None: ``FullySharded()`` where the mesh shards them
-    (``fsdp > 1``), else not at all."""
+    zero-bubble's W adds each micro-batch's). ``WeightGradientFusion.off()`` leaves accumulation to autograd.
+    Hooks on a parameter's gradient accumulator see only the backwards not fused (with ``dp > 1``, each stage's
+    last of a step, which DDP all-reduces); pass ``WeightGradientFusion.off()`` if they must see every
+    micro-batch. With ``DataParallel(find_unused_parameters=True)``, sharded stages or compiled layers there is no
+    fusion: DDP learns from those hooks which parameters each replica used."""
+    data_parallel: DataParallel = field(default_factory=DataParallel)
+    """DDP's options for the replicas of each stage, used when the mesh has ``dp > 1`` (and no sharding)."""
+    fully_sharded: FullySharded | Literal["auto"] = "auto"
+    """How stages are sharded over the mesh's ``fsdp`` ranks: "auto" shards them with ``FullySharded()`` where
+    the mesh does (``fsdp > 1``, or ``tp > 1`` with ``dp > 1``), else not at all; a :class:`FullySharded` wraps
+    them so on any mesh."""
     tensor_parallel: TensorParallelPlan | None = None
     """Which modules of each layer are split over the mesh's ``tp`` ranks, and how (a
     :data:`~stagewise.pipeline.TensorParallelPlan`, e.g. :func:`stagewise.models.gpt_parallel.plan`
-    for stagewise's GPT); needed when the mesh has ``tp > 1``."""
+    for stagewise's GPT); needed when the mesh has ``tp > 1``; None: no plan."""
     batch_norm: BatchNormStatistics = "auto"
     """Which batch moves the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)
     of the model's batch norms (every ``torch.nn.modules.batchnorm._BatchNorm`` that tracks them) in training.
@@ -212,53 +327,33 @@ class PipelineOptions:
     ``_native_batch_norm_legit`` ops (older torch) is refused, and "auto" is then "micro-batch"."""
 
     def __post_init__(self) -> None:
-        _whole("PipelineOptions.n_virtual", self.n_virtual, least=1)
-        _whole("PipelineOptions.seed", self.seed, least=None)
-        if self.device is not None:
-            try:
-                torch.device(self.device)
-            except (RuntimeError, TypeError) as err:
-                raise ValueError(
-                    f"PipelineOptions.device must name a torch device (e.g. 'cpu', 'cuda:0') or be None (the "
-                    f"mesh's), got {self.device!r}"
-                ) from err
-        if self.loss_reduction not in get_args(LossReduction):
-            raise ValueError(
-                f"PipelineOptions.loss_reduction must be 'mean', 'sum' or 'tokens', got {self.loss_reduction!r}; "
-                "'tokens' is the mean over the valid target tokens of a padded batch"
-            )
-        _whole("PipelineOptions.ignore_index", self.ignore_index, least=None)
-        if not isinstance(self.shift_labels, bool):
-            raise TypeError(f"PipelineOptions.shift_labels must be True or False, got {self.shift_labels!r}")
-        _instance("compute", self.compute, Compute)
-        _instance("diagnostics", self.diagnostics, Diagnostics)
-        if self.fuse_weight_gradients is not None and not isinstance(self.fuse_weight_gradients, WeightGradientFusion):
+        if self.n_virtual is not None:
+            whole_number("PipelineOptions.n_virtual", self.n_virtual, least=1)
+        whole_number("PipelineOptions.seed", self.seed)
+        for name, kind in (("loss", Loss), ("compute", Compute), ("diagnostics", Diagnostics)):
+            _instance(name, getattr(self, name), kind)
+        if not isinstance(self.fuse_weight_gradients, WeightGradientFusion):
             raise TypeError(
-                f"PipelineOptions.fuse_weight_gradients must be a WeightGradientFusion or None, got "
+                f"PipelineOptions.fuse_weight_gradients must be a WeightGradientFusion, got "
                 f"{self.fuse_weight_gradients!r}; e.g. WeightGradientFusion.every() to fuse every linear weight, "
-                "or None to leave gradient accumulation to autograd"
+                "or WeightGradientFusion.off() to leave gradient accumulation to autograd"
             )
-        if self.data_parallel is not None:
-            _instance("data_parallel", self.data_parallel, DataParallel)
-        if self.fully_sharded is not None:
-            _instance("fully_sharded", self.fully_sharded, FullySharded)
+        _instance("data_parallel", self.data_parallel, DataParallel)
+        if self.fully_sharded != "auto" and not isinstance(self.fully_sharded, FullySharded):
+            raise TypeError(
+                f"PipelineOptions.fully_sharded must be 'auto' or a stagewise FullySharded, got "
+                f"{self.fully_sharded!r}; pass FullySharded(...) to shard the stages on any mesh, or 'auto' to "
+                "shard them where the mesh has fsdp > 1"
+            )
         if self.tensor_parallel is not None and not callable(self.tensor_parallel):
             raise TypeError(
                 f"PipelineOptions.tensor_parallel must be callable (a layer's module to its plan), got "
                 f"{type(self.tensor_parallel).__name__}"
             )
-        if self.batch_norm not in CHOICES:
+        if self.batch_norm not in (choices := get_args(BatchNormStatistics)):
             raise ValueError(
-                f"PipelineOptions.batch_norm must be one of {', '.join(map(repr, CHOICES))}, got {self.batch_norm!r}"
+                f"PipelineOptions.batch_norm must be one of {', '.join(map(repr, choices))}, got {self.batch_norm!r}"
             )
-
-
-def _whole(name: str, value: object, *, least: int | None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or (least is not None and value < least):
-        bound = f" >= {least}" if least is not None else ""
-        raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
-            f"{name} must be a whole number{bound}, got {value!r}"
-        )
 
 
 def _instance(name: str, value: object, kind: type) -> None:
@@ -267,48 +362,3 @@ def _instance(name: str, value: object, kind: type) -> None:
             f"PipelineOptions.{name} must be a stagewise {kind.__name__}, got {type(value).__name__}; "
             f"pass {kind.__name__}(...) from stagewise.pipeline"
         )
-
-
-def checked_schedule(
-    layers: Sequence[Layer],
-    partition: Partition,
-    schedule: ScheduleName | Schedule,
-    n_microbatches: int,
-    *,
-    loss_fn: LossFn,
-    options: PipelineOptions,
-) -> Schedule:
-    """The validated schedule of a :class:`~stagewise.Pipeline` over ``layers``; its other arguments checked
-    against the model and each other (each group of ``options`` checked itself on construction).
-
-    Raises:
-        TypeError: an argument of the wrong type (the message names it and what to pass).
-        ValueError: a value that cannot run, or two that do not go together.
-    """
-    if not isinstance(partition, Partition):
-        raise TypeError(f"partition must be a stagewise Partition, got {type(partition).__name__}")
-    if not isinstance(options, PipelineOptions):
-        raise TypeError(f"options must be a stagewise PipelineOptions, got {type(options).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if partition.n_layers != len(layers):
-        raise ValueError(
-            f"the partition splits {partition.n_layers} layers but the model has {len(layers)}; "
-            "partition this model's layers (stagewise.partition.auto or balance)"
-        )
-    if isinstance(schedule, Schedule):
-        plan = schedule
-        if plan.n_stages != partition.n_stages or plan.n_microbatches != n_microbatches:
-            raise ValueError(
-                f"the schedule is for {plan.n_stages} stages and {plan.n_microbatches} micro-batches, but the "
-                f"partition has {partition.n_stages} stages and n_microbatches is {n_microbatches}"
-            )
-    else:
-        plan = build(schedule, partition.n_stages, n_microbatches, n_virtual=options.n_virtual)
-    validate(plan)
-    if options.compute.activation_checkpointing and plan.splits_backward:
-        raise ValueError(
-            "activation checkpointing and split backward (zero-bubble) do not combine: W would recompute "
-            "every layer's forward a second time; choose one"
-        )
-    return plan

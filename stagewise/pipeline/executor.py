@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stagewise.comm import Payload, PayloadLayout, Transport, as_tensors
+from stagewise.pipeline.backward_plan import BackwardPlan
+from stagewise.pipeline.config import LossFn, WeightGradientFusion
 from stagewise.pipeline.data_parallel import Replicas, sync_points
-from stagewise.pipeline.fusion import WeightGradientFusion, WeightGradientStore
+from stagewise.pipeline.fusion import WeightGradientStore
 from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
-from stagewise.pipeline.microbatch import LossFn, Microbatches, scalar_loss
+from stagewise.pipeline.microbatch import Microbatches, scalar_loss
 from stagewise.pipeline.posted_receives import ACTIVATIONS, GRADIENTS, LOOKAHEAD, PostedReceives
 from stagewise.pipeline.split_backward import WeightUse, weight_gradients
 from stagewise.pipeline.stage import StageError, StageModule, failure
@@ -239,10 +241,12 @@ class _Run:
         if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own
             store, anchor = WeightGradientStore(), torch.empty(0, device=x.transport.device, requires_grad=True)
         joint = split and (s, mb) in self.unfused
+        pooled = store is not None and store is self.store
+        plan = BackwardPlan(
+            owners if split else None, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor
+        )
         try:
-            pooled = store is not None and store is self.store
-            owned = owners if split else None
-            out = x.stages[s].run(data, owned, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor)
+            out = x.stages[s].run(data, plan)
         except (RuntimeError, TypeError, ValueError) as err:
             raise StageError(failure(x.stages[s], mb, data, err)) from err
         slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor, joint=joint)  # type: ignore[arg-type]

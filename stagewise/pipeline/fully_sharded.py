@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,11 +32,12 @@ from stagewise.pipeline.stage import StageModule
 log = logging.getLogger(__name__)
 
 
-def fully_sharded(given: FullySharded | None, layout: Layout) -> FullySharded | None:
-    """How stages are sharded: ``given`` (``PipelineOptions.fully_sharded``) where given, ``FullySharded()`` where
-    the mesh shards (``fsdp > 1``) or replicates tensor-parallel stages (``tp > 1`` with ``dp > 1``: DDP does not
-    take DTensors, FSDP's HSDP over a shard of one does the replicas' all-reduce); else None."""
-    if given is not None:
+def fully_sharded(given: FullySharded | Literal["auto"], layout: Layout) -> FullySharded | None:
+    """How stages are sharded: ``given`` (``PipelineOptions.fully_sharded``) where it is a FullySharded; for
+    "auto", ``FullySharded()`` where the mesh shards (``fsdp > 1``) or replicates tensor-parallel stages (``tp > 1``
+    with ``dp > 1``: DDP does not take DTensors, FSDP's HSDP over a shard of one does the replicas' all-reduce);
+    else None (not sharded)."""
+    if given != "auto":
         return given
     return FullySharded() if layout.fsdp > 1 or (layout.tp > 1 and layout.dp > 1) else None
 

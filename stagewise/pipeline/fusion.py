@@ -4,84 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.overrides import TorchFunctionMode
 
-from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
-
-DEFAULT_MIN_ELEMENTS = 1 << 20
-"""Weights smaller than this (4 MiB in fp32) are left to autograd when each backward accumulates its own.
-
-Their gradients stay in cache, where autograd's separate addition costs less
-than the Python overhead of the fused backward. Measured on a 2-core CPU,
-one process, 8 micro-batches of 8 rows through residual-MLP blocks: fusing
-every weight took 0.72-0.80x autograd's step time with 4M-element weights,
-1.09-1.23x with 262k-element ones.
-"""
-
-
-@dataclass(frozen=True)
-class WeightGradientFusion:
-    """How :class:`stagewise.Pipeline` accumulates the weight gradients of linear layers over micro-batches.
-
-    Each backward either adds its weight gradients into ``.grad`` itself
-    (fused: one GEMM per micro-batch that writes into ``.grad``), or leaves
-    them to a :class:`WeightGradientStore` so that ``pool`` backwards' are
-    summed by one GEMM per weight (pooled). Weights below the size thresholds
-    are left to autograd.
-    """
-
-    min_elements: int = DEFAULT_MIN_ELEMENTS
-    """Fuse the linear weights of at least this many elements, when each backward accumulates its own."""
-    min_pooled_elements: int = DEFAULT_MIN_POOLED_ELEMENTS
-    """Fuse the linear weights of at least this many elements, when backwards pool their weight gradients."""
-    pool: int | Literal["free"] | None = "free"
-    """How many consecutive backwards of a rank pool their weight gradients into one GEMM per weight.
-
-    A pool of k > 1 keeps each fused linear's input and output gradient for up
-    to k backwards: less memory traffic where weights are large, more memory
-    held, about one micro-batch's activations per pooled backward. "free"
-    (the default) chooses, per rank, the largest pool that keeps what the rank
-    holds within what the pipeline's fullest rank holds in flight anyway
-    (:func:`stagewise.schedule.free_pool`): the whole step for GPipe; under
-    1F1B over p ranks, r + 1 on rank r, so the first rank pools nothing and
-    the others fill up to its p micro-batches. The planner and
-    ``stagewise.partition.memory_model`` count this (``stagewise.schedule.holdings``);
-    with activation checkpointing "free" pools nothing, since a pooled
-    backward would keep more than the checkpointed forward did. None keeps
-    each stage within its own micro-batches in flight: all of a step's where
-    every forward of a stage runs before its first backward (GPipe),
-    otherwise 1 (nothing pooled). A split backward (zero-bubble) pools
-    nothing: each micro-batch's W adds what its I left.
-    """
-
-    def __post_init__(self) -> None:
-        for name in ("min_elements", "min_pooled_elements"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"WeightGradientFusion.{name} must be a number of elements >= 0, got {value!r}; "
-                    "0 fuses every linear weight"
-                )
-        pool = self.pool
-        if pool is not None and pool != "free" and (isinstance(pool, bool) or not isinstance(pool, int) or pool < 1):
-            raise ValueError(
-                f"WeightGradientFusion.pool must be a number of backwards >= 1, 'free' or None, got {pool!r}; "
-                "1 pools nothing, None lets the schedule choose, 'free' pools what fits in the pipeline's peak"
-            )
-
-    @classmethod
-    def every(cls, pool: int | Literal["free"] | None = "free") -> WeightGradientFusion:
-        """Fuse every linear weight, whatever its size, pooling as ``pool`` says (the default's by default)."""
-        return cls(min_elements=0, min_pooled_elements=0, pool=pool)
-
-    def threshold(self, *, pooled: bool) -> int:
-        """The smallest weight to fuse, with or without pooling."""
-        return self.min_pooled_elements if pooled else self.min_elements
+from stagewise.partition.linears import LINEAR_OPS
 
 
 def _accumulate(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from stagewise.partition import CapturedChain, SharedParameter, layers_of, shared_parameters
+from stagewise.partition import CapturedChain, layers_of, shared_parameters
+from stagewise.partition.layers import SharedParameter
+from stagewise.pipeline.config import Initialiser
 from stagewise.pipeline.tied_weights import retie
 
 _SEED_STRIDE = 1_000_003  # a prime: seeds (seed, layer) apart for any realistic layer count
-
-Initialiser = Callable[[nn.Module], None]
-"""``init(module)``: give ``module``'s own parameters and buffers (not its children's) their initial values, as
-a Hugging Face model's ``_init_weights`` does; it is called for every module to initialise, children first, under
-a generator seeded from ``(seed, layer)``."""
 
 
 @dataclass(frozen=True)

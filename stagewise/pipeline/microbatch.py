@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from stagewise.comm import Payload, as_tensors
-
-LossReduction = Literal["mean", "sum", "tokens"]
-"""How ``loss_fn`` reduces over a batch: the mean or the sum over its samples, or the sum over its tokens, which
-the pipeline divides by the global batch's valid tokens (see :mod:`stagewise.pipeline.tokens`)."""
-
-LossFn = Callable[[Payload, Payload], torch.Tensor]
-"""``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
+from stagewise.pipeline.config import LossFn, LossReduction
 
 
 def scalar_loss(loss_fn: LossFn, output: Payload, target: Payload) -> torch.Tensor:

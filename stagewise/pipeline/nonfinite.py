@@ -5,17 +5,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 from stagewise.errors import StagewiseError
+from stagewise.pipeline.config import NonFinite
 
 log = logging.getLogger(__name__)
-
-NonFinite = Literal["raise", "skip"]
-"""What :meth:`stagewise.Pipeline.step` does when the loss is NaN or infinite."""
 
 
 class NonFiniteLossError(StagewiseError, FloatingPointError):
@@ -66,7 +63,7 @@ def skipped_step(
     if policy == "raise":
         raise NonFiniteLossError(
             f"{message}; lower the learning rate, check the data, or pass "
-            "PipelineOptions(diagnostics=Diagnostics(nonfinite='skip')) to drop such steps"
+            "PipelineOptions(loss=Loss(nonfinite='skip')) to drop such steps"
         )
     log.warning("%s: skipping the step (its gradients are dropped)", message)
     if earlier is None:

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch import nn
 
+from stagewise.partition.layers import SharedParameter
 from stagewise.pipeline.stage import StageModule
 
 Self = TypeVar("Self", bound="HeldStages")
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The unsplit model's names, whichever rank holds what they name: what a checkpoint maps its tensors by."""
+
+    keys: frozenset[str]
+    """Every key of the unsplit model's ``state_dict``."""
+    tied: tuple[SharedParameter, ...]
+    """The parameters its layers share (a tied embedding and head), each with every name it has."""
 
 
 class HeldStages:
@@ -22,6 +34,8 @@ class HeldStages:
 
     stages: dict[int, StageModule]
     """This rank's stages by their number in the pipeline."""
+    model_names: ModelNames
+    """The unsplit model's names (its ``state_dict``'s keys, its tied parameters), for checkpoints."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, each once (a tied parameter used by two of its stages too)."""

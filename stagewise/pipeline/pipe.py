@@ -5,33 +5,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from stagewise.comm import Layout, Payload, PipelineMesh, Transport, as_tensors, init_mesh, world_group
-from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
-from stagewise.partition import CapturedChain, Layer, Partition, layers_of, shared_parameters
+from stagewise.comm import Payload, PipelineMesh, as_tensors, init_mesh, world_group
+from stagewise.partition import CapturedChain, Partition, layers_of
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
-from stagewise.pipeline.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
+from stagewise.pipeline.assembly import Runtime, assemble, checked_schedule, quietly
 from stagewise.pipeline.clip import Counting, clip_grad_norm_, held_copies
-from stagewise.pipeline.compiled import CompiledGraphs, backend_of
-from stagewise.pipeline.config import DataParallel, PipelineOptions, checked_schedule
-from stagewise.pipeline.data_parallel import Replicas
-from stagewise.pipeline.executor import Executor, StepResult
-from stagewise.pipeline.fully_sharded import ShardedStages, fully_sharded
-from stagewise.pipeline.fusion import WeightGradientFusion
-from stagewise.pipeline.loss_sharing import Sharing, share_count, share_loss
-from stagewise.pipeline.materialise import Materialising, initialiser_of
-from stagewise.pipeline.microbatch import LossFn, LossReduction, Microbatches, batch_size, concat, split
-from stagewise.pipeline.nonfinite import EarlierGradients, NonFinite, first_non_finite, skipped_step
+from stagewise.pipeline.config import LossFn, PipelineOptions
+from stagewise.pipeline.executor import StepResult
+from stagewise.pipeline.loss_sharing import share_count, share_loss
+from stagewise.pipeline.microbatch import Microbatches, batch_size, concat, split
+from stagewise.pipeline.nonfinite import EarlierGradients, first_non_finite, skipped_step
 from stagewise.pipeline.parameters import HeldStages
-from stagewise.pipeline.stage import own_stages
-from stagewise.pipeline.tensor_parallel import placed_like_parameters, split_stages
-from stagewise.pipeline.tied_weights import Ties
+from stagewise.pipeline.tensor_parallel import placed_like_parameters
 from stagewise.pipeline.tokens import check_tokens, global_tokens, per_token, valid_tokens
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.builders import ScheduleName
@@ -40,39 +32,12 @@ from stagewise.schedule.render import to_chrome_trace
 log = logging.getLogger(__name__)
 
 
-def _quietly(close: Callable[..., None], **options: bool) -> None:
-    """Close something a failed constructor made, keeping the constructor's error the one raised."""
-    try:
-        close(**options)
-    except Exception as err:
-        log.warning("closing after a failed Pipeline construction failed too: %s", err)
-
-
-def _fusion_in_effect(options: PipelineOptions, layout: Layout) -> WeightGradientFusion | None:
-    """``options``' weight-gradient fusion, or None where replicas must find unused parameters (DDP learns which
-    parameters a replica used from their gradient hooks, which fused backwards skip) or parameters are sharded
-    (FSDP's whole parameters and tensor parallelism's DTensors are not a fused op's to write) or layers are
-    compiled (a compiled graph computes its weight gradients itself)."""
-    ddp, fusion = options.data_parallel, options.fuse_weight_gradients
-    if fusion is not None and options.compute.compile:
-        log.info("compiled stages: gradient accumulation left to the compiled backward (no fusion)")
-        return None
-    if fusion is not None and (fully_sharded(options.fully_sharded, layout) is not None or layout.tp > 1):
-        log.info("sharded stages: gradient accumulation left to autograd (no fusion)")
-        return None
-    if layout.dp > 1 and ddp is not None and ddp.find_unused_parameters:
-        if fusion is not None:
-            log.info("find_unused_parameters: gradient accumulation left to autograd (no fusion)")
-        return None
-    return fusion
-
-
 class Pipeline(HeldStages):
     """A chain model split by ``partition`` and trained with ``schedule`` across the ranks of a pipeline.
 
     Each rank materialises only the layers of its own stages: rank ``r`` of
     ``p`` holds stages ``r, r + p, ...`` (more than one with ``n_virtual > 1``).
-    A layer on the meta device is allocated on ``device`` and initialised from
+    A layer on the meta device is allocated on the mesh's device and initialised from
     ``(seed, layer index)`` alone, so the same seed gives the same model for
     any split; a layer with real weights keeps them. Other ranks' layers are
     never touched.
@@ -82,12 +47,12 @@ class Pipeline(HeldStages):
     leaves this rank's parameter gradients in ``.grad``, accumulated like
     ``loss.backward()``. The gradients and the returned loss equal those of
     ``loss_fn(model(inputs), targets)`` on the whole batch in one process:
-    with ``loss_reduction="mean"`` (a loss averaged over the batch, the
+    with ``Loss(reduction="mean")`` (a loss averaged over the batch, the
     default of torch's losses) each micro-batch's loss is weighted by its
     share of the batch, ``size / batch``; with ``"sum"`` the losses are added;
     with ``"tokens"`` ``loss_fn`` sums its micro-batch's per-token losses and
     each sum is divided by the valid target tokens of the global batch (see
-    :attr:`PipelineOptions.loss_reduction`), Hugging Face's mean over the
+    :attr:`Loss.reduction`), Hugging Face's mean over the
     tokens of a padded batch.
 
     With a mesh of ``dp > 1`` the model is trained by ``dp`` pipelines at
@@ -120,17 +85,14 @@ class Pipeline(HeldStages):
         schedule: a built-in schedule's name, or a :class:`Schedule` (e.g. loaded from text).
         n_microbatches: micro-batches per step.
         loss_fn: ``loss_fn(output, target)`` for one micro-batch, a scalar tensor (reduced as
-            ``options.loss_reduction`` says: with "tokens", the sum over the micro-batch's tokens).
-        mesh: the process mesh; by default :func:`stagewise.comm.init_mesh` with ``pp`` ranks.
-        timeout: bound on every wait of this pipeline for another rank, in seconds: transfers, tied weights,
-            the replicas' all-reduce, clipping's all-reduce and the loss's sharing. None: the mesh's
-            (``mesh.timeout``; :data:`~stagewise.comm.timeouts.DEFAULT_TIMEOUT` for a mesh the pipeline makes,
-            whose start-up it bounds too). With a ``mesh``, whose process groups carry its own timeout, a
-            different value is refused: give it to :func:`~stagewise.comm.init_mesh`. Stored once, as
-            :attr:`timeout`.
-        options: the rarer knobs, grouped (:class:`~stagewise.pipeline.PipelineOptions`: virtual stages,
-            device, seed, loss reduction, precision and recomputation, diagnostics, weight-gradient fusion,
-            data parallelism, batch norms' running statistics); None: their defaults.
+            ``options.loss.reduction`` says: with "tokens", the sum over the micro-batch's tokens).
+        mesh: the process mesh, whose device every stage of this rank is on and whose timeout bounds every wait
+            of this pipeline for another rank (transfers, tied weights, the replicas' all-reduce, clipping's
+            all-reduce and the loss's sharing); by default :func:`stagewise.comm.init_mesh` with ``pp`` ranks
+            and its default timeout, :data:`~stagewise.comm.timeouts.DEFAULT_TIMEOUT`.
+        options: the rarer knobs, grouped (:class:`~stagewise.pipeline.PipelineOptions`: virtual stages, seed,
+            the loss, precision and recomputation, diagnostics, weight-gradient fusion, data parallelism,
+            sharding, batch norms' running statistics); None: their defaults.
     """
 
     def __init__(
@@ -142,7 +104,6 @@ class Pipeline(HeldStages):
         n_microbatches: int,
         loss_fn: LossFn,
         mesh: PipelineMesh | None = None,
-        timeout: float | None = None,
         options: PipelineOptions | None = None,
     ) -> None:
         options = options if options is not None else PipelineOptions()
@@ -150,134 +111,42 @@ class Pipeline(HeldStages):
         self._call: CallSpec | str = model.call if isinstance(model, CapturedChain) else type(model).__name__
         """How stage 0 takes a batch: a captured model's call spec, or a chain's name (see :func:`as_positional`);
         never the model, whose layers on other ranks this rank must not keep alive."""
-        plan = checked_schedule(layers, partition, schedule, n_microbatches, loss_fn=loss_fn, options=options)
-        seconds = None if timeout is None else checked_timeout(timeout)
-        if mesh is not None and seconds is not None and seconds != mesh.timeout:
-            raise ValueError(
-                f"timeout={seconds:g} s differs from the mesh's {mesh.timeout:g} s, which bounds its process groups "
-                "(the replicas' all-reduce, clipping, the loss's all-gather): one timeout bounds every wait, so give "
-                f"it to init_mesh(..., timeout={seconds:g}) and leave Pipeline's out"
-            )
-        self.schedule = plan
+        self.schedule = checked_schedule(layers, partition, schedule, n_microbatches, loss_fn=loss_fn, options=options)
+        """The schedule this pipeline runs, validated (built from its name, or as given)."""
         self.partition = partition
-        self.options = options
-        """The rarer knobs this pipeline was built with."""
-        self.mesh = mesh if mesh is not None else init_mesh(plan.n_ranks, None, timeout=seconds or DEFAULT_TIMEOUT)
-        self.timeout: float = seconds if seconds is not None else self.mesh.timeout
-        """Seconds any wait of this pipeline for another rank may last: the one bound every wait is given."""
-        self._own_mesh = mesh is None
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
-        self.loss_reduction: LossReduction = options.loss_reduction
-        self.nonfinite: NonFinite = options.diagnostics.nonfinite
-        trace = options.diagnostics.chrome_trace
-        self.chrome_trace = None if trace is None else Path(trace)
-        """Where each step's Chrome/Perfetto trace goes (per rank); None: nowhere. May be changed between steps."""
+        self.options = options
+        """The rarer knobs this pipeline was built with: the one place each is read from (see :meth:`tracing`)."""
+        self.mesh = mesh if mesh is not None else init_mesh(self.schedule.n_ranks)
+        """The process mesh: this rank's place, its device, and the one timeout of every wait."""
+        self._own_mesh = mesh is None
+        try:
+            self._runtime: Runtime = assemble(
+                model, layers, partition, self.schedule, self.mesh, options, n_microbatches=n_microbatches
+            )
+            """The parts this rank runs (see :class:`~stagewise.pipeline.assembly.Runtime`)."""
+        except BaseException:
+            if self._own_mesh:
+                quietly(self.mesh.close)
+            raise
+        self.stages = self._runtime.stages
+        self.model_names = self._runtime.model_names
         self.steps = 0
         """Calls of :meth:`step` so far."""
         self.skipped = False
         """Whether the last step was skipped for a non-finite loss."""
         self._bad_microbatch = -1
-        self.last_result: StepResult | None = None
-        self.closed = False
-        """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
-        with ExitStack() as undo:  # a failure below closes the groups made so far; then close() owns them
-            if self._own_mesh:
-                undo.callback(_quietly, self.mesh.close)
-            self._place(model, layers, options)
-            self._connect(layers, undo)
-            undo.pop_all()
+        self._last_result: StepResult | None = None
+        """What the last pass over this rank's actions produced (its events, its losses), outputs dropped."""
+        self._closed = False
         log.info(
             "rank %d holds stages %s (%d parameters) on %s; waits are bounded by %g s",
             self.mesh.rank,
             list(self.stages),
             sum(p.numel() for p in self.parameters()),
-            self.device,
-            self.timeout,
-        )
-
-    def _place(self, model: nn.Module, layers: list[Layer], options: PipelineOptions) -> None:
-        """Materialise this rank's stages on its device, after checking the mesh runs the schedule."""
-        plan = self.schedule
-        if self.mesh.layout.pp != plan.n_ranks:
-            raise ValueError(
-                f"the schedule runs on {plan.n_ranks} pipeline ranks ({plan.n_stages} stages, "
-                f"{plan.n_virtual} per rank) but the mesh has pp={self.mesh.layout.pp}"
-            )
-        if options.compute.compile and self.mesh.layout.tp > 1:
-            raise ValueError(
-                f"Compute.compile with tp={self.mesh.layout.tp}: the tensor-parallel split turns the layers' "
-                "parameters into DTensors after they are compiled, which stagewise does not compile through; "
-                "compile with tp=1 (fsdp and dp may be above 1), or leave compile off"
-            )
-        self.fusion = _fusion_in_effect(options, self.mesh.layout)
-        """How backwards accumulate the weight gradients of linear layers; None: autograd does."""
-        self.device = torch.device(options.device) if options.device is not None else self.mesh.device
-        self.position = self.mesh.stage
-        self._shared = shared_parameters(layers)  # before materialising, which unties them
-        self.model_keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
-        """Every key of the unsplit model's ``state_dict``, whichever rank holds it."""
-        backend = backend_of(options.compute.compile)
-        self._compiled = None if backend is None else CompiledGraphs(backend)
-        self.stages = own_stages(
-            layers, self.partition.bounds, plan.stages_of(self.position), self._shared,
-            making=Materialising(self.device, options.seed, initialiser_of(model, options.init)),
-            compute=options.compute, fusion=self.fusion, compiled=self._compiled,
-        )  # fmt: skip
-        self.batch_norm: StatisticsSource = statistics_source(options.batch_norm, layers, self.n_microbatches)
-        """Which batch moves the running statistics of the model's batch norms: ``options.batch_norm``, "auto"
-        resolved for this model."""
-        self.tensor_parallel: list[str] = (
-            split_stages(self.stages, layers, self._shared, self.mesh, options.tensor_parallel)
-            if self.mesh.layout.tp > 1
-            else []
-        )
-        """The layers this rank's stages split over the mesh's ``tp`` ranks (see :mod:`.tensor_parallel`)."""
-        sharding = fully_sharded(options.fully_sharded, self.mesh.layout)
-        self.sharded = None if sharding is None else ShardedStages.over(self.stages, self.mesh, sharding)
-        """This rank's stages sharded by FSDP (see :class:`ShardedStages`); None: whole on every rank."""
-
-    def _connect(self, layers: list[Layer], undo: ExitStack) -> None:
-        """The pipeline's links to other ranks, each bounded by :attr:`timeout`: tied copies, the transport,
-        the replicas, and the executor that runs the schedule over them."""
-        plan, timeout = self.schedule, self.timeout
-        self.ties = Ties(layers, self._shared, self.partition, plan, self.mesh, timeout=timeout)
-        undo.callback(_quietly, self.ties.close)
-        self.ties.synchronise()
-        peers = self.mesh.layout.pipeline_ranks(self.mesh.line)
-        # A group of its own (collective: every rank builds its Pipeline), so steady streams drop control words.
-        # Two streams, activations and gradients (executor.ACTIVATIONS, GRADIENTS); what one rank tells the
-        # others (loss_sharing) travels by Transport.broadcast_along, which needs no stream of ours.
-        self.transport = Transport(device=self.device, timeout=timeout, dedicated=True, streams=2)
-        undo.callback(_quietly, self.transport.close, wait=False)
-        self._sharing = Sharing(self.mesh, self.transport, timeout)
-        dp = self.mesh.layout.dp
-        self.replicas = None
-        if dp > 1 and self.sharded is None:
-            config = self.options.data_parallel if self.options.data_parallel is not None else DataParallel()
-            self.replicas = Replicas(
-                self.stages, group=self.mesh.dp_group, device=self.device, config=config, timeout=timeout
-            )
-        self._norms: DeferredBatchNorm | None = None
-        if self.batch_norm != "micro-batch":
-            global_batch = self.batch_norm == "global-batch" and self.mesh.layout.batch_shards > 1
-            self._norms = DeferredBatchNorm(
-                self.stages, group=self.mesh.batch_group if global_batch else None, timeout=timeout
-            )
-            for s, norms in self._norms.stages.items():
-                self.stages[s].batch_norms = norms
-            log.info("the batch norms of stages %s move their statistics once per step", list(self._norms.stages))
-        self.executor = Executor(
-            plan,
-            self.position,
-            self.stages,
-            self.transport,
-            peers,
-            replicas=self.replicas,
-            # DDP and FSDP average over the batch's shares; a sum wants the total, and so does a token mean (divided
-            # by the global count already)
-            grad_scale=float(self.mesh.layout.batch_shards) if self.loss_reduction in ("sum", "tokens") else 1.0,
-            fusion=self.fusion,
+            self.mesh.device,
+            self.mesh.timeout,
         )
 
     def close(self, *, wait: bool = True) -> None:
@@ -286,15 +155,19 @@ class Pipeline(HeldStages):
         in flight (``wait=False`` drops them). The transport's threads and sockets go at once, those of a mesh
         the pipeline built when the pipeline object does. Every rank closes its pipeline; ``with Pipeline(...)
         as pipe:`` closes it on leaving. Closing again does nothing."""
-        if self.closed:
+        if self._closed:
             return
-        self.closed = True
+        self._closed = True
         try:
-            self.transport.close(wait=wait)
+            self._runtime.close(wait=wait)
         finally:
-            self.ties.close()
             if self._own_mesh:
                 self.mesh.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run: the pipeline then steps and predicts no more."""
+        return self._closed
 
     def __enter__(self) -> Pipeline:
         return self
@@ -307,6 +180,19 @@ class Pipeline(HeldStages):
             self.close(wait=False)
         except Exception as err:
             log.warning("closing the pipeline after an error failed too: %s", err)
+
+    @contextmanager
+    def tracing(self, path: str | Path | None) -> Iterator[None]:
+        """Within the block, each step (and evaluation) writes its Chrome/Perfetto trace to ``path``, one file per
+        rank (see :attr:`Diagnostics.chrome_trace`); None: none. After it, :attr:`options` are as they were."""
+        before = self.options
+        self.options = dataclasses.replace(
+            before, diagnostics=dataclasses.replace(before.diagnostics, chrome_trace=path)
+        )
+        try:
+            yield
+        finally:
+            self.options = before
 
     @property
     def is_first(self) -> bool:
@@ -322,7 +208,8 @@ class Pipeline(HeldStages):
     def compiled_graphs(self) -> int:
         """The graphs ``torch.compile`` compiled on this rank so far, recompilations included (0 when not compiled:
         see ``Compute.compile``). Equal shapes compile nothing after the first step."""
-        return 0 if self._compiled is None else self._compiled.count
+        compiled = self._runtime.compiled
+        return 0 if compiled is None else compiled.count
 
     # --- running --------------------------------------------------------------------------------
 
@@ -330,7 +217,7 @@ class Pipeline(HeldStages):
         if isinstance(payload, list):  # a list of tensors, as a data loader may give: taken as a tuple
             payload = tuple(payload)
         tensors, is_tuple = as_tensors(payload)  # refuses what is not a tensor or a tuple of them, naming it
-        moved = tuple(t.to(self.device) for t in tensors)
+        moved = tuple(t.to(self.mesh.device) for t in tensors)
         return moved if is_tuple else moved[0]
 
     def _split_inputs(self, inputs: Inputs | None) -> Microbatches | None:
@@ -346,7 +233,7 @@ class Pipeline(HeldStages):
         return self._to_device(as_positional(self._call, inputs))
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self._closed:
             raise RuntimeError("this Pipeline is closed (by close() or at the end of its with block); build a new one")
 
     def step(self, inputs: Inputs | None, targets: Payload | None = None) -> torch.Tensor:
@@ -368,16 +255,17 @@ class Pipeline(HeldStages):
             tgs = self._split_targets(targets, m)
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
+        run, nonfinite = self._runtime, self.options.loss.nonfinite
         # A skipped step drops its own gradients only, not those accumulated over earlier steps.
-        earlier = EarlierGradients.copy(self.parameters()) if self.nonfinite == "skip" else None
-        before = self.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
-        if self._norms is not None:
-            self._norms.begin()  # a step that failed before its end moved no statistics, and leaves none behind
+        earlier = EarlierGradients.copy(self.parameters()) if nonfinite == "skip" else None
+        before = run.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
+        if run.norms is not None:
+            run.norms.begin()  # a step that failed before its end moved no statistics, and leaves none behind
         with torch.enable_grad(), self._gathered(reduce=True):
-            result = self.executor.run(self.schedule.ranks[self.position], ins, tgs, self.loss_fn, training=True)
-        if self.tensor_parallel:
+            result = run.executor.run(self.schedule.ranks[run.position], ins, tgs, self.loss_fn, training=True)
+        if run.tensor_parallel:
             placed_like_parameters(self.parameters())
-        self.ties.sum_gradients(before)
+        run.ties.sum_gradients(before)
         self._record(result)
         self.steps += 1
         bad = first_non_finite(result.microbatch_losses)
@@ -385,11 +273,11 @@ class Pipeline(HeldStages):
         where = self._bad_microbatch
         which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
         self.skipped = skipped_step(
-            loss, self.nonfinite, where=f"at step {self.steps} (first non-finite: {which})", earlier=earlier,
+            loss, nonfinite, where=f"at step {self.steps} (first non-finite: {which})", earlier=earlier,
             params=self.parameters(),
         )  # fmt: skip
-        if self._norms is not None and not self.skipped:
-            self._norms.commit()
+        if run.norms is not None and not self.skipped:
+            run.norms.commit()
         return loss
 
     def evaluate(self, inputs: Inputs | None, targets: Payload | None = None) -> torch.Tensor:
@@ -411,14 +299,14 @@ class Pipeline(HeldStages):
         return self._share_loss(loss, tgs, training=False)  # no gradients: replicas may differ in size
 
     def _split_targets(self, targets: Payload, count: int) -> Microbatches:
-        """The last stage's ``count`` micro-batches of ``targets``, each weighted as :attr:`loss_reduction` says;
+        """The last stage's ``count`` micro-batches of ``targets``, each weighted as ``options.loss.reduction`` says;
         for a token mean, after counting the valid tokens of the global batch (over the replicas' last stages)."""
-        whole = self._to_device(targets)
-        parts = split(whole, count, what="targets", reduction=self.loss_reduction)
-        if self.loss_reduction != "tokens":
+        whole, loss = self._to_device(targets), self.options.loss
+        parts = split(whole, count, what="targets", reduction=loss.reduction)
+        if loss.reduction != "tokens":
             return parts
-        mine = valid_tokens(whole, self.options.ignore_index, shift_labels=self.options.shift_labels)
-        return per_token(parts, global_tokens(mine, mesh=self.mesh, timeout=self.timeout))
+        mine = valid_tokens(whole, loss.ignore_index, shift_labels=loss.shift_labels)
+        return per_token(parts, global_tokens(mine, mesh=self.mesh, timeout=self.mesh.timeout))
 
     def _share_loss(
         self,
@@ -433,13 +321,14 @@ class Pipeline(HeldStages):
         token mean over no valid tokens is refused here, on every rank."""
         last = self.mesh.layout.at(self.schedule.rank_of(self.schedule.n_stages - 1), self.mesh.line)
         samples, tokens = (sum(targets.sizes), targets.tokens) if targets is not None else (0, -1)
+        reduction = self.options.loss.reduction
         shared = share_loss(
-            loss, samples, sharing=self._sharing, last=last, mean=self.loss_reduction == "mean",
+            loss, samples, sharing=self._runtime.sharing, last=last, mean=reduction == "mean",
             bad_microbatch=bad_microbatch, tokens=tokens, training=training,
         )  # fmt: skip
         self._bad_microbatch = shared.bad_microbatch
-        if self.loss_reduction == "tokens":
-            check_tokens(shared.tokens, self.options.ignore_index)
+        if reduction == "tokens":
+            check_tokens(shared.tokens, self.options.loss.ignore_index)
         return shared.loss
 
     def clip_grad_norm_(
@@ -454,15 +343,15 @@ class Pipeline(HeldStages):
         when the norm is larger.
         """
         mine = list(self.parameters())
-        counted = [p for p in mine if self.ties.counted(p)]
+        counted = [p for p in mine if self._runtime.ties.counted(p)]
         layout = self.mesh.layout
-        sharded = layout.fsdp * layout.tp > 1 or self.sharded is not None
+        sharded = layout.fsdp * layout.tp > 1 or self._runtime.sharded is not None
         # Sharded: every rank holds a part of the norm, counted once however many ranks hold that part.
         group = world_group() if sharded else self.mesh.pp_group
         copies = functools.partial(held_copies, ranks_per_stage=layout.lines) if sharded else None
         return clip_grad_norm_(
             mine, max_norm, norm_type, group=group, counting=Counting(counted, copies),
-            error_if_nonfinite=error_if_nonfinite, device=self.device, timeout=self.timeout,
+            error_if_nonfinite=error_if_nonfinite, device=self.mesh.device, timeout=self.mesh.timeout,
         )  # fmt: skip
 
     def predict(self, inputs: Inputs | None) -> Payload | None:
@@ -486,7 +375,7 @@ class Pipeline(HeldStages):
                 raise ValueError("the inputs have no samples (a batch of 0); give at least one")
             count = min(count, samples)
         first = self.mesh.layout.at(0, self.mesh.line)
-        count = share_count(count, sharing=self._sharing, first=first)
+        count = share_count(count, sharing=self._runtime.sharing, first=first)
         return (None if payload is None else split(payload, count, what="inputs")), count
 
     def _forward(self, ins: Microbatches | None, count: int, targets: Microbatches | None = None) -> StepResult:
@@ -494,18 +383,21 @@ class Pipeline(HeldStages):
         with ``targets`` their weighted loss."""
         forward = [Action(s, Kind.F, mb) for mb in range(count) for s in sorted(self.stages)]
         with torch.no_grad(), self._gathered(reduce=False):
-            result = self.executor.run(forward, ins, targets, self.loss_fn if targets else None, training=False)
+            loss_fn = self.loss_fn if targets else None
+            result = self._runtime.executor.run(forward, ins, targets, loss_fn, training=False)
         self._record(result)
         return result
 
     def _gathered(self, *, reduce: bool) -> AbstractContextManager[None]:
         """Sharded stages' whole parameters for the block (see :meth:`ShardedStages.gathering`); else nothing."""
-        return nullcontext() if self.sharded is None else self.sharded.gathering(reduce=reduce)
+        sharded = self._runtime.sharded
+        return nullcontext() if sharded is None else sharded.gathering(reduce=reduce)
 
     def _record(self, result: StepResult) -> None:
-        self.last_result = dataclasses.replace(result, outputs=[])  # the caller's: kept here, they would stay
-        trace = self.chrome_trace
-        if trace is not None:
+        self._last_result = dataclasses.replace(result, outputs=[])  # the caller's: kept here, they would stay
+        chosen = self.options.diagnostics.chrome_trace
+        if chosen is not None:
+            trace = Path(chosen)
             path = trace.with_name(f"{trace.stem}.rank{self.mesh.rank}{trace.suffix or '.json'}")
             path.parent.mkdir(parents=True, exist_ok=True)
             to_chrome_trace(result.events, path, spans=result.spans)

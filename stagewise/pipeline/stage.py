@@ -15,11 +15,14 @@ from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm import as_tensors
 from stagewise.errors import StagewiseError
-from stagewise.partition import Layer, Segment, SharedParameter
+from stagewise.partition import Layer
+from stagewise.partition.layers import SharedParameter
+from stagewise.partition.segment import Segment
+from stagewise.pipeline.backward_plan import BackwardPlan
 from stagewise.pipeline.batch_norm import StageNorms
 from stagewise.pipeline.compiled import CompiledGraphs, compile_layers
-from stagewise.pipeline.config import Compute
-from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientFusion, WeightGradientStore
+from stagewise.pipeline.config import Compute, WeightGradientFusion
+from stagewise.pipeline.fusion import FusedWeightGradients
 from stagewise.pipeline.materialise import Materialising, materialise
 from stagewise.pipeline.split_backward import ParameterUses, WeightUse, stop_for_weight_gradients, unseen_reads
 from stagewise.pipeline.tied_weights import retie
@@ -28,6 +31,10 @@ log = logging.getLogger(__name__)
 
 _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
 """Autograd's error for an in-place change of a tensor whose gradient is wanted (or of a view of it)."""
+
+
+_AUTOGRAD = BackwardPlan()
+"""A forward that records nothing and fuses nothing: its backward is autograd's."""
 
 
 class StageError(StagewiseError, RuntimeError):
@@ -128,26 +135,16 @@ class StageModule(nn.Module):
         if use is not None:
             self.capture.append(use)
 
-    def run(
-        self,
-        x: object,
-        owners: list[WeightUse] | None = None,
-        *,
-        joint: bool = False,
-        fused: bool = False,
-        store: WeightGradientStore | None = None,
-        pooled: bool = False,
-        anchor: torch.Tensor | None = None,
-    ) -> object:
-        """Apply the layers in order.
+    def run(self, x: object, plan: BackwardPlan = _AUTOGRAD) -> object:
+        """Apply the layers in order, setting up their backward as ``plan`` says.
 
-        With ``owners``, record every use of parameters (see :class:`WeightUse`);
-        with ``joint`` too, so that W may run one backward over all of them
+        With ``plan.owners``, record every use of parameters (see :class:`WeightUse`);
+        with ``plan.joint`` too, so that W may run one backward over all of them
         (see :attr:`ParameterUses.cut_all`).
-        With ``fused``, the backward of this forward accumulates the gradients
+        With ``plan.fused``, the backward of this forward accumulates the gradients
         of linear weights of at least :attr:`fusion`'s threshold (its pooled
-        one, if ``pooled``) straight into ``.grad``, or into ``store`` until its
-        ``flush``; ``anchor`` as in :class:`FusedWeightGradients`.
+        one, if ``plan.pooled``) straight into ``.grad``, or into ``plan.store``
+        until its ``flush``; ``plan.anchor`` as in :class:`FusedWeightGradients`.
 
         A stage whose layers change their input in place (``ReLU(inplace=True)``
         right after the cut) runs on a copy of it: the input is a leaf whose
@@ -156,9 +153,7 @@ class StageModule(nn.Module):
         if it fails so, its buffers (batch norms' statistics) are put back and it
         runs again on a copy, as does every forward after it.
         """
-        apply = functools.partial(
-            self._run_layers, owners=owners, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor
-        )
+        apply = functools.partial(self._run_layers, plan=plan)
         items = x if isinstance(x, tuple) else (x,)
         if self.compute_dtype is not None:
             dtype = self.compute_dtype
@@ -177,8 +172,8 @@ class StageModule(nn.Module):
                 with torch.no_grad():
                     for buffer, value in kept:
                         buffer.copy_(value)
-                if owners is not None:
-                    owners.clear()
+                if plan.owners is not None:
+                    plan.owners.clear()
                 self.copies_input = True
                 log.info("stage %d changes its input in place: it runs on a copy of it", self.index)
         if self.copies_input:
@@ -186,21 +181,14 @@ class StageModule(nn.Module):
             x = copies if isinstance(x, tuple) else copies[0]
         return apply(x)
 
-    def _run_layers(
-        self,
-        x: object,
-        *,
-        owners: list[WeightUse] | None,
-        joint: bool,
-        fused: bool,
-        store: WeightGradientStore | None,
-        pooled: bool,
-        anchor: torch.Tensor | None,
-    ) -> object:
+    def _run_layers(self, x: object, *, plan: BackwardPlan) -> object:
+        owners = plan.owners
         self.capture = owners
         cast = torch.autocast(self.device_type, dtype=self.autocast, enabled=self.autocast is not None)
-        large = self._fusible(pooled=pooled) if fused else []
-        fusing = FusedWeightGradients(large, store=store, anchor=anchor, own=self._own_ids()) if large else None
+        large = self._fusible(pooled=plan.pooled) if plan.fused else []
+        fusing = (
+            FusedWeightGradients(large, store=plan.store, anchor=plan.anchor, own=self._own_ids()) if large else None
+        )
         modes: list[TorchFunctionMode] = [fusing] if fusing is not None else []
         norms = self.batch_norms
         if norms is not None:  # outermost; inside the checkpointed call, so a recomputation calls them the same way
@@ -213,7 +201,7 @@ class StageModule(nn.Module):
             if self._recorder is None:
                 self._recorder = ParameterUses(self.parameters(), owners)
             self._recorder.uses = owners
-            self._recorder.cut_all = joint
+            self._recorder.cut_all = plan.joint
             # Innermost, so that it sees each op as the model calls it: a segment reports its own ops instead.
             recording = [*modes, self._recorder]
         calls = {True: functools.partial(_call, modes), False: functools.partial(_call, recording)}

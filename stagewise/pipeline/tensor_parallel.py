@@ -12,7 +12,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from stagewise.comm import PipelineMesh
-from stagewise.partition import Layer, Segment, SharedParameter
+from stagewise.partition import Layer
+from stagewise.partition.layers import SharedParameter
+from stagewise.partition.segment import Segment
 from stagewise.pipeline.config import TensorParallelPlan
 from stagewise.pipeline.stage import StageModule
 from stagewise.pipeline.tied_weights import retie

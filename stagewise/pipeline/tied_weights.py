@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stagewise.comm import PipelineMesh, named_collective
-from stagewise.partition import Layer, Partition, SharedParameter
+from stagewise.partition import Layer, Partition
+from stagewise.partition.layers import SharedParameter
 from stagewise.schedule.actions import Schedule
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Token-mean losses: the valid target tokens of the global batch, by which each micro-batch's summed loss is divided.
 
-With ``loss_reduction="tokens"``, ``loss_fn`` sums its micro-batch's per-token losses and the pipeline divides each
+With ``Loss(reduction="tokens")``, ``loss_fn`` sums its micro-batch's per-token losses and the pipeline divides each
 sum by the number of targets other than ``ignore_index`` in the whole global batch (every micro-batch of every
 replica): the loss a padded language-model batch has in Hugging Face's trainers, the mean over its valid tokens.
 """
@@ -26,9 +26,9 @@ def valid_tokens(targets: Payload, ignore_index: int, *, shift_labels: bool = Fa
     counted = as_tensors(targets)[0][0]
     if counted.is_floating_point() or counted.is_complex() or counted.dtype == torch.bool:
         raise ValueError(
-            f"loss_reduction='tokens' counts the targets other than ignore_index={ignore_index} in the first target "
+            f"Loss(reduction='tokens') counts the targets other than ignore_index={ignore_index} in the first target "
             f"tensor, which must hold integer class ids, but it is {counted.dtype}; pass the class ids (first, "
-            "in a tuple of targets) or choose loss_reduction='mean' or 'sum'"
+            "in a tuple of targets) or choose Loss(reduction='mean' or 'sum')"
         )
     if shift_labels:
         if counted.dim() < 2:

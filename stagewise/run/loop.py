@@ -18,30 +18,23 @@ from torch.utils.data import Dataset
 
 from stagewise import checkpoint
 from stagewise.comm import init_mesh
-from stagewise.models import (
-    CNNConfig,
-    GPTConfig,
-    MLPConfig,
-    ModelConfig,
-    gpt_parallel,
-    pattern_images,
-    teacher_regression,
-)
+from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, gpt_parallel
+from stagewise.models.synthetic import pattern_images, teacher_regression
 from stagewise.partition import Layer, Partition, balance, balance_costs, layers_of, profile, shared_parameters
 from stagewise.partition.call_spec import Inputs
 from stagewise.pipeline import (
     Batch,
     Compute,
     DataParallel,
-    Diagnostics,
     LoaderOptions,
+    Loss,
     Pipeline,
     PipelineOptions,
     StageLoader,
     WeightGradientFusion,
     load_pretrained,
 )
-from stagewise.pipeline.config import checked_schedule
+from stagewise.pipeline.assembly import checked_schedule
 from stagewise.run.config import TrainConfig
 from stagewise.run.data import language_splits
 from stagewise.run.metrics import Destinations, MetricsLog, Recorder, matmul_peak
@@ -259,20 +252,22 @@ def schedule_of(config: TrainConfig) -> ScheduleName | Schedule:
 
 def pipeline_options(config: TrainConfig) -> PipelineOptions:
     """The rarer knobs of ``config``'s Pipeline; its loss reduction is its model's (:func:`objective`)."""
-    fusion = WeightGradientFusion(pool=config.weight_gradient_pool) if config.weight_gradient_fusion else None
+    fusion = (
+        WeightGradientFusion(pool=config.weight_gradient_pool)
+        if config.weight_gradient_fusion
+        else WeightGradientFusion.off()
+    )
     model_config = model_of(config.model)
     goal = objective(model_config)
     return PipelineOptions(
         n_virtual=config.virtual,
         seed=config.seed,
-        loss_reduction=goal.reduction,
-        ignore_index=goal.ignore_index,
+        loss=Loss(reduction=goal.reduction, ignore_index=goal.ignore_index, nonfinite=config.nonfinite),
         compute=Compute(
             autocast=torch.bfloat16 if config.bf16 else None,
             activation_checkpointing=config.activation_checkpointing,
             compile=config.compile,
         ),
-        diagnostics=Diagnostics(nonfinite=config.nonfinite),
         fuse_weight_gradients=fusion,
         data_parallel=DataParallel(),
         tensor_parallel=gpt_parallel.plan if isinstance(model_config, GPTConfig) else None,
@@ -300,10 +295,9 @@ def _train_step(
     for group in optimizer.param_groups:
         group["lr"] = learning_rate(config, step)
     optimizer.zero_grad(set_to_none=True)
-    if traced and config.trace is not None:
-        pipe.chrome_trace = Path(config.trace)
-    loss = float(pipe.step(batch.inputs, batch.targets))
-    pipe.chrome_trace = None  # the evaluation after it must not overwrite the step's trace
+    # The step's trace only: the evaluation after it must not overwrite it.
+    with pipe.tracing(config.trace if traced else None):
+        loss = float(pipe.step(batch.inputs, batch.targets))
     norm = math.nan
     if not pipe.skipped:
         norm = float(pipe.clip_grad_norm_(config.clip if config.clip > 0 else math.inf))  # inf: measured, not clipped
@@ -356,7 +350,7 @@ def train(
     try:
         with _metrics_log(config, pipe) as log:
             recorder = Recorder(
-                log, pipe.device, flops_per_step=built.flops_per_sample * config.batch_size,
+                log, pipe.mesh.device, flops_per_step=built.flops_per_sample * config.batch_size,
                 amount=config.batch_size * config.tokens_per_sample, peak_flops=_peak_flops(config, pipe),
             )  # fmt: skip
             run = _Run(config, pipe, optimizer, loader, val_loader, start, saver, recorder)
@@ -381,9 +375,9 @@ def _metrics_log(config: TrainConfig, pipe: Pipeline) -> MetricsLog:
 
 def _peak_flops(config: TrainConfig, pipe: Pipeline) -> float:
     """The job's devices' FLOP/s together: this rank's matmul, measured, times the world size."""
-    on_gpu = pipe.device.type == "cuda"
+    on_gpu = pipe.mesh.device.type == "cuda"
     dtype = torch.bfloat16 if config.bf16 and on_gpu else torch.float32
-    return matmul_peak(pipe.device, dtype, size=4096 if on_gpu else 512) * pipe.mesh.layout.world_size
+    return matmul_peak(pipe.mesh.device, dtype, size=4096 if on_gpu else 512) * pipe.mesh.layout.world_size
 
 
 @dataclass
@@ -423,7 +417,7 @@ def _trained(run: _Run, on_step: StepCallback | None, stop: StopSignals | None) 
         run.recorder.step(done, stepped.loss, stepped.grad_norm, learning_rate(config, step), seconds)
         if on_step is not None:
             on_step(done, stepped.loss, seconds)
-        summary.stopped = stop.agreed(pipe.device) if stop is not None and done < end else None
+        summary.stopped = stop.agreed(pipe.mesh.device) if stop is not None and done < end else None
         if run.saver is not None and (summary.stopped or _due(done, end, config.checkpoint_every)):
             wraps = index + 1 == run.loader.steps_per_epoch
             progress = checkpoint.Progress(

@@ -14,7 +14,7 @@ from stagewise.run.user_model import UserModel
 @dataclass(frozen=True)
 class Objective:
     """A model's ``loss_fn`` for one micro-batch, and the reduction that makes the micro-batches' losses the
-    global batch's (:attr:`stagewise.pipeline.PipelineOptions.loss_reduction`)."""
+    global batch's (:attr:`stagewise.pipeline.Loss.reduction`)."""
 
     loss_fn: LossFn
     reduction: LossReduction

@@ -104,7 +104,7 @@ def starting_point(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.O
     agent's store (:func:`job_token`). Otherwise a folder that holds
     checkpoints is refused, as the first attempt refused it.
     """
-    lock = _locked(config, pipe.device)
+    lock = _locked(config, pipe.mesh.device)
     try:
         return _started(config, pipe, optimizer, lock)
     except BaseException:
@@ -115,7 +115,7 @@ def starting_point(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.O
 
 def _started(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.Optimizer, lock: WriterLock | None) -> Start:
     position = checkpoint.Progress(0, 0, 0)
-    found = _found(config, pipe.device)
+    found = _found(config, pipe.mesh.device)
     job, restarted, shared = os.environ.get("TORCHELASTIC_RUN_ID", ""), restarts() > 0, shared_run_id()
     token: str | None = None
     own: bool | None = False  # a restart continues its own job's checkpoints, never another's (see owns)
@@ -139,7 +139,7 @@ def _started(config: TrainConfig, pipe: Pipeline, optimizer: torch.optim.Optimiz
     if config.checkpoint_dir is not None:
         if shared and not restarted and pipe.mesh.rank == 0:  # the first attempt's rank 0 records the job's token
             token = job_token(new=True, timeout=config.timeout)
-        claim(config.checkpoint_dir, job, pipe.device, token)
+        claim(config.checkpoint_dir, job, pipe.mesh.device, token)
     return Start(position, found.chosen, lock)
 
 

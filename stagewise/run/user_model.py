@@ -110,7 +110,7 @@ class UserModel:
     @staticmethod
     def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The same cross-entropy summed over the positions whose target is not padding, for a pipeline with
-        ``loss_reduction="tokens"``: the global batch's token mean, as Hugging Face computes it."""
+        ``Loss(reduction="tokens")``: the global batch's token mean, as Hugging Face computes it."""
         return F.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )

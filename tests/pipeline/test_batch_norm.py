@@ -19,7 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from stagewise.comm import PipelineMesh, init_mesh
 from stagewise.partition import CapturedChain, Layer, Partition, capture, layers_of
-from stagewise.pipeline import Compute, Diagnostics, Pipeline, PipelineOptions
+from stagewise.pipeline import Compute, Loss, Pipeline, PipelineOptions
 from stagewise.pipeline.batch_norm import DeferredBatchNorm, Moments, statistics_source, update_running
 from stagewise.pipeline.stage import StageModule
 
@@ -248,7 +248,7 @@ def train_case(case: Case, mesh: PipelineMesh) -> dict[str, Any]:
         n_virtual=case.n_virtual,
         batch_norm=case.batch_norm,  # type: ignore[arg-type]
         compute=Compute(activation_checkpointing=case.checkpointing),
-        diagnostics=Diagnostics(nonfinite="skip"),
+        loss=Loss(nonfinite="skip"),
     )
     part = Partition.from_bounds(case.bounds)
     with Pipeline(resnet(), part, schedule=case.schedule, n_microbatches=case.m, loss_fn=F.cross_entropy,  # type: ignore[arg-type]
@@ -273,7 +273,7 @@ def train_case(case: Case, mesh: PipelineMesh) -> dict[str, Any]:
         skipped = pipe.skipped
         skipped_moved = [k for k, v in statistics(pipe.state_dict()).items() if not torch.equal(v, trained[k])]
         return {
-            "source": pipe.batch_norm,
+            "source": pipe._runtime.batch_norm,
             "losses": losses,
             "grads": grads,
             "state": trained,

@@ -22,6 +22,7 @@ from stagewise.partition import Partition
 from stagewise.pipeline import (
     DataParallel,
     LoaderOptions,
+    Loss,
     Pipeline,
     PipelineOptions,
     StageLoader,
@@ -125,7 +126,7 @@ def train_hybrid(cases: list[Case], pp: int, dp: int) -> list[dict[str, Any]]:
             # DDP's hooks must still see each stage's last backward, and pooled gradients be flushed before it
             options=PipelineOptions(
                 n_virtual=case.n_virtual,
-                loss_reduction=case.reduction,
+                loss=Loss(reduction=case.reduction),
                 data_parallel=DataParallel(bucket_cap_mb=1000, comm_hook=counting_hook),
                 fuse_weight_gradients=WeightGradientFusion.every(pool=2),
             ),

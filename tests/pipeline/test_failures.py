@@ -12,7 +12,7 @@ from torch import nn
 
 from stagewise.comm import LaunchError, init_mesh
 from stagewise.partition import Partition
-from stagewise.pipeline import Diagnostics, Pipeline, PipelineOptions
+from stagewise.pipeline import Loss, Pipeline, PipelineOptions
 
 
 def poisoned(policy: str) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def poisoned(policy: str) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(
         model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss, mesh=mesh,
-        options=PipelineOptions(diagnostics=Diagnostics(nonfinite=policy)),  # type: ignore[arg-type]
+        options=PipelineOptions(loss=Loss(nonfinite=policy)),  # type: ignore[arg-type]
     )  # fmt: skip
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     skipped, snapshots = [], []
@@ -68,7 +68,7 @@ def accumulate_then_poison() -> dict[str, list[bool]]:
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Linear(4, 2))
     pipe = Pipeline(model, Partition.from_bounds((0, 2, 4)), n_microbatches=3, loss_fn=F.mse_loss,
                     mesh=init_mesh(2, timeout=20),
-                    options=PipelineOptions(diagnostics=Diagnostics(nonfinite="skip")))  # fmt: skip
+                    options=PipelineOptions(loss=Loss(nonfinite="skip")))  # fmt: skip
     x, y = torch.randn(6, 4), torch.randn(6, 2)
     pipe.step(x, y)
     first = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}

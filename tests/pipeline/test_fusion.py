@@ -12,14 +12,16 @@ from support.chains import Chain
 from torch import nn
 
 from stagewise.partition import layers_of
-from stagewise.pipeline import FusedWeightGradients, WeightGradientFusion
+from stagewise.pipeline import WeightGradientFusion
+from stagewise.pipeline.backward_plan import BackwardPlan
 from stagewise.pipeline.executor import Executor
-from stagewise.pipeline.fusion import WeightGradientStore
+from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientStore
 from stagewise.pipeline.microbatch import split
 from stagewise.pipeline.split_backward import ParameterUses, WeightUse
 from stagewise.pipeline.stage import StageModule
-from stagewise.schedule import Holding, Schedule, ScheduleName, build, free_pool, holdings, peak_in_flight, validate
+from stagewise.schedule import Schedule, ScheduleName, build, holdings, peak_in_flight, validate
 from stagewise.schedule.actions import Action, Kind, forwards_first
+from stagewise.schedule.holdings import Holding, free_pool
 
 
 class TiedHead(nn.Module):
@@ -132,7 +134,7 @@ def test_a_fused_stage_equals_autograd_with_and_without_checkpointing(checkpoint
         0, 0, layers_of(chain.build()), checkpointing=checkpointing, fusion=WeightGradientFusion.every()
     )
     for part in batches:
-        out = stage.run(part, fused=True)
+        out = stage.run(part, BackwardPlan(fused=True))
         assert isinstance(out, torch.Tensor)
         out.square().sum().backward()
     for param, grad in zip(stage.parameters(), want, strict=True):
@@ -249,8 +251,8 @@ def _moments(actions: Sequence[Action], pool: int | None, stage: int) -> tuple[H
 def test_holdings_follow_the_chosen_pool() -> None:
     schedule = build("1f1b", 2, 8)
     assert holdings(schedule, WeightGradientFusion(pool=None)) == ((Holding(2),), (Holding(1),))  # 1F1B pools nothing
-    # Without fusion (PipelineOptions(fuse_weight_gradients=None)) autograd accumulates: GPipe too holds only its
-    # forwards.
+    # Without fusion (PipelineOptions(fuse_weight_gradients=WeightGradientFusion.off())) autograd accumulates:
+    # GPipe too holds only its forwards.
     assert holdings(build("gpipe", 2, 4), None) == ((Holding(4),),) * 2
     assert holdings(schedule, WeightGradientFusion(pool=3)) == tuple(_moments(schedule.ranks[r], 3, r) for r in (0, 1))
     gpipe = holdings(build("gpipe", 2, 4), WeightGradientFusion(pool=None))

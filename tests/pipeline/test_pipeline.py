@@ -118,7 +118,7 @@ def views_of_inputs() -> tuple[list[torch.Tensor], list[int]] | None:
     viewing = Pipeline(torch.nn.Sequential(torch.nn.Linear(4, 6), Same(), Half()), Partition.from_bounds((0, 1, 2, 3)),
                        n_microbatches=4, loss_fn=first_value, mesh=pipe.mesh)  # fmt: skip
     viewing.evaluate(x, x)
-    scored = viewing.last_result.microbatch_losses if viewing.last_result is not None else []
+    scored = viewing._last_result.microbatch_losses if viewing._last_result is not None else []
     viewing.evaluate(x + 100, x)
     dist.destroy_process_group()
     return None if first is None or second is None else ([kept, first, second, loss, torch.stack(scored)], HELD)
@@ -174,7 +174,7 @@ def passing_views() -> torch.nn.Sequential:
 
 def gradients_passed_as_views(fusion: bool) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    options = PipelineOptions() if fusion else PipelineOptions(fuse_weight_gradients=None)
+    options = PipelineOptions() if fusion else PipelineOptions(fuse_weight_gradients=WeightGradientFusion.off())
     pipe = Pipeline(
         passing_views(), Partition.from_bounds((0, 2, 3, 5)), n_microbatches=4, loss_fn=mse, mesh=init_mesh(3),
         options=options,
@@ -642,7 +642,18 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
         Pipeline(
             chain.build(), Partition.from_bounds((0, 1, 2)), schedule=build("1f1b", 2, 3), n_microbatches=2, loss_fn=mse
         )
-    with pytest.raises(TypeError, match=r"fuse_weight_gradients must be a WeightGradientFusion or None, got 0; "):
+    with pytest.raises(
+        ValueError,
+        match=r"^PipelineOptions.n_virtual=1, but the schedule given has 2 stages per rank; leave n_virtual out",
+    ):
+        Pipeline(
+            chain.build(), Partition.from_bounds((0, 1, 2)), schedule=build("interleaved-1f1b", 2, 2, n_virtual=2),
+            n_microbatches=2, loss_fn=mse, options=PipelineOptions(n_virtual=1),
+        )  # fmt: skip
+    for none in ("fuse_weight_gradients", "data_parallel", "fully_sharded"):
+        with pytest.raises(TypeError, match=rf"^PipelineOptions.{none} must be .*, got (None|NoneType); "):
+            PipelineOptions(**{none: None})
+    with pytest.raises(TypeError, match=r"fuse_weight_gradients must be a WeightGradientFusion, got 0; "):
         Pipeline(
             chain.build(), Partition.from_bounds((0, 1, 2)), n_microbatches=2, loss_fn=mse,
             options=PipelineOptions(fuse_weight_gradients=0),  # type: ignore[arg-type]

@@ -78,7 +78,8 @@ def cases(draw: st.DrawFn, n_ranks: int, schedules: tuple[str, ...] = ROUND_ROBI
     if batch % m == 0 and batch > m:
         batch += 1  # sizes not divisible by m, where possible
     fusion = draw(st.sampled_from([None, None, 1, 2, 3, "free"]).map(WeightGradientFusion.every))
-    return Case(chain, (0, *cuts, n), schedule, v, m, batch, fusion=draw(st.sampled_from([None, fusion])))
+    either = draw(st.sampled_from([WeightGradientFusion.off(), fusion]))
+    return Case(chain, (0, *cuts, n), schedule, v, m, batch, fusion=either)
 
 
 def check(case_list: list[Case], n_ranks: int) -> None:
@@ -141,7 +142,7 @@ def test_every_schedule_on_a_fixed_case() -> None:
         Case(chain, (0, 2, 5, 8), "gpipe", 1, 5, 13),
         Case(chain, (0, 5, 6, 8), "gpipe", 1, 4, 9),  # a lone linear: what its deferred W reads was received
         Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11),
-        Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11, fusion=None),
+        Case(chain, (0, 3, 4, 8), "1f1b", 1, 4, 11, fusion=WeightGradientFusion.off()),
         Case(chain, (0, 5, 6, 8), "1f1b", 1, 5, 12, fusion=WeightGradientFusion.every(pool=2)),
         Case(chain, (0, 2, 5, 8), "1f1b", 1, 6, 13, fusion=WeightGradientFusion.every(pool="free")),  # pools 1, 2, 3
         Case(chain, (0, 1, 2, 3, 5, 6, 8), "interleaved-1f1b", 2, 6, 14, fusion=WeightGradientFusion.every("free")),

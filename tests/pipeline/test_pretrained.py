@@ -17,7 +17,8 @@ from stagewise import checkpoint
 from stagewise.checkpoint import Progress
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition, capture
-from stagewise.pipeline import Pipeline, PretrainedError, load_pretrained, weight_files
+from stagewise.pipeline import Pipeline, PretrainedError, load_pretrained
+from stagewise.pipeline.pretrained import weight_files
 
 LENGTH = 12
 

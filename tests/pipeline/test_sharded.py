@@ -23,7 +23,7 @@ from stagewise.comm import PipelineMesh, init_mesh
 from stagewise.models.gpt import GPT, GPTConfig
 from stagewise.models.gpt_parallel import plan as gpt_plan
 from stagewise.partition import Partition
-from stagewise.pipeline import Compute, Diagnostics, Pipeline, PipelineOptions
+from stagewise.pipeline import Compute, Loss, Pipeline, PipelineOptions
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,8 @@ def train(case: Case) -> dict[str, Any]:
         opt.step()
     params = {n: _whole(p) for n, p in pipe.named_parameters()}
     pipe.close()
-    units = len(pipe.sharded.units) if pipe.sharded is not None else 0
+    sharded = pipe._runtime.sharded
+    units = len(sharded.units) if sharded is not None else 0
     return {
         "losses": losses, "norms": norms, "grads": grads, "params": params, "collectives": collectives, "units": units,
     }  # fmt: skip
@@ -153,7 +154,7 @@ def skipping() -> dict[str, Any]:
     mesh = MESHES[(2, 1, 2, 1)]
     pipe = Pipeline(
         model(case), Partition.from_bounds(bounds(case)), n_microbatches=2, loss_fn=poisoned_loss, mesh=mesh,
-        options=PipelineOptions(diagnostics=Diagnostics(nonfinite="skip")),
+        options=PipelineOptions(loss=Loss(nonfinite="skip")),
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     mine = mesh.share(BATCH)
@@ -264,7 +265,7 @@ def test_compiled_layers_with_tensor_parallelism_are_refused_in_one_line(
 
 
 def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> None:
-    from stagewise.partition import Segment
+    from stagewise.partition.segment import Segment
     from stagewise.pipeline.tensor_parallel import parallelize
 
     class TwoRanks:  # parallelize reads only the mesh's size before it refuses

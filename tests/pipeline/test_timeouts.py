@@ -1,8 +1,10 @@
-"""One timeout: the mesh's bounds every process group and every kind of wait of the Pipeline; no second one."""
+"""One timeout: the mesh's bounds every process group and every kind of wait of the Pipeline, which has none of its
+own."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -54,7 +56,7 @@ def _patch_waits(seen: list[tuple[str, float | None]]) -> None:
 def timeouts_seen() -> dict[str, object]:
     """Build a mesh and a pipeline on it (pp=2, dp=2, a tied embedding across its ranks), step it over the
     transport's gloo groups and clip; return every timeout a wait or a process group was given, the transport's,
-    and the refusal of a pipeline timeout other than the mesh's."""
+    and whether the pipeline has a timeout of its own."""
     torch.set_num_threads(1)
     os.environ["STAGEWISE_SHARED_MEMORY"] = "0"  # the transport over its gloo groups, waiting with wait_for
     seen: list[tuple[str, float | None]] = []
@@ -74,19 +76,14 @@ def timeouts_seen() -> dict[str, object]:
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
-    try:
-        Pipeline(model, part, n_microbatches=2, loss_fn=loss_fn, mesh=mesh, timeout=TIMEOUT + 1)
-        refusal = "accepted"
-    except ValueError as err:
-        refusal = str(err)
     pipe = Pipeline(model, part, n_microbatches=2, loss_fn=loss_fn, mesh=mesh)
     dist.new_group = new_group  # type: ignore[assignment]
     ids = torch.randint(0, CONFIG.vocab_size, (4, CONFIG.seq_len + 1), generator=torch.Generator().manual_seed(1))
     pipe.step(ids[:, :-1], ids[:, 1:])
     pipe.clip_grad_norm_(1.0)
     pipe.evaluate(ids[:, :-1], ids[:, 1:])
-    out = {"pipe": pipe.timeout, "transport": _seconds(pipe.transport.timeout), "waits": seen, "groups": groups}
-    out["refusal"] = refusal
+    transport = pipe._runtime.transport
+    out = {"own": hasattr(pipe, "timeout"), "transport": _seconds(transport.timeout), "waits": seen, "groups": groups}
     pipe.close()
     dist.destroy_process_group()
     return out
@@ -97,7 +94,7 @@ def test_one_timeout_bounds_every_kind_of_wait() -> None:
     results = run_ranks(timeouts_seen, 4, timeout=180)
     kinds = set()
     for rank, got in results.items():
-        assert got["pipe"] == TIMEOUT
+        assert got["own"] is False, rank
         assert got["transport"] == TIMEOUT, rank
         # the mesh's pp and dp groups (DDP, clipping, the loss's all-gather), the ties' and the transport's
         assert got["groups"] and set(got["groups"]) == {TIMEOUT}, (rank, got["groups"])
@@ -106,7 +103,6 @@ def test_one_timeout_bounds_every_kind_of_wait() -> None:
         wrong = [(what, value) for what, value in waits_seen if value != TIMEOUT]
         assert not wrong, (rank, wrong)
         kinds |= {what for what, _ in waits_seen}
-        assert "timeout=18 s differs from the mesh's 17 s, which bounds its process groups" in str(got["refusal"])
     for part in (
         "wait_for: the activation",
         "wait_for: the gradient",
@@ -119,8 +115,14 @@ def test_one_timeout_bounds_every_kind_of_wait() -> None:
         assert any(part in what for what in kinds), (part, sorted(kinds))
 
 
+def test_a_pipeline_takes_no_timeout_of_its_own() -> None:
+    assert "timeout" not in inspect.signature(Pipeline).parameters
+    with pytest.raises(TypeError, match="timeout"):
+        Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=F.mse_loss,
+                 timeout=5)  # type: ignore[call-arg]  # fmt: skip
+
+
 @pytest.mark.parametrize(("bad", "error"), [(0, ValueError), (float("nan"), ValueError), ("5", TypeError)])
 def test_a_bad_timeout_is_refused_before_any_process_group(bad: object, error: type[Exception]) -> None:
     with pytest.raises(error, match="timeout must be"):
-        Pipeline(GPT(CONFIG, device="meta"), Partition.from_bounds((0, 2, 6)), n_microbatches=2, loss_fn=F.mse_loss,
-                 timeout=bad)  # type: ignore[arg-type]  # fmt: skip
+        init_mesh(2, timeout=bad)  # type: ignore[arg-type]

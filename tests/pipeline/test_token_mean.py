@@ -1,4 +1,4 @@
-"""loss_reduction="tokens": padded batches train as Hugging Face's mean over the valid tokens of the global batch,
+"""Loss(reduction="tokens"): padded batches train as Hugging Face's mean over the valid tokens of the global batch,
 with targets given shifted or as Hugging Face's labels (shifted by the loss), and on packed documents."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from support.multiproc import run_ranks
 from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig, preset
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline, PipelineOptions, materialise_model
+from stagewise.pipeline import Loss, Pipeline, PipelineOptions, materialise_model
 from stagewise.pipeline.microbatch import split
 from stagewise.pipeline.tokens import check_tokens, per_token, valid_tokens
 from stagewise.run.objective import objective
@@ -150,7 +150,7 @@ def train_tokens(cases: list[TokenCase], pp: int, dp: int) -> dict[str, Any]:
     results: dict[str, Any] = {"cases": []}
     for case in cases:
         labels = case.form == "labels"
-        options = PipelineOptions(seed=SEED, loss_reduction="tokens", ignore_index=IGNORE, shift_labels=labels)
+        options = PipelineOptions(seed=SEED, loss=Loss(reduction="tokens", ignore_index=IGNORE, shift_labels=labels))
         pipe = Pipeline(
             GPT(CONFIG, device="meta"), Partition.from_bounds(BOUNDS), schedule=case.schedule,  # type: ignore[arg-type]
             n_microbatches=M, loss_fn=summed_label_loss if labels else summed_loss, mesh=mesh, options=options,
@@ -252,10 +252,10 @@ def test_the_padded_batches_tell_a_token_mean_from_a_sample_weighted_one() -> No
 
 
 def test_options_refuse_an_unknown_reduction_and_a_non_integer_ignore_index() -> None:
-    with pytest.raises(ValueError, match=r"loss_reduction must be 'mean', 'sum' or 'tokens', got 'token'; 'tokens'"):
-        PipelineOptions(loss_reduction="token")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"PipelineOptions.ignore_index must be a whole number, got -100.0"):
-        PipelineOptions(loss_reduction="tokens", ignore_index=-100.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Loss.reduction must be 'mean', 'sum' or 'tokens', got 'token'; 'tokens'"):
+        Loss(reduction="token")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Loss.ignore_index must be a whole number, got -100.0"):
+        Loss(reduction="tokens", ignore_index=-100.0)  # type: ignore[arg-type]
 
 
 def test_counting_takes_the_first_target_tensor_and_refuses_float_targets_and_no_tokens() -> None:
@@ -288,5 +288,5 @@ def test_hugging_face_labels_are_counted_after_each_samples_first_and_a_miscount
     assert valid_tokens(labels, IGNORE) == valid_tokens(shifted[:, :-1], IGNORE) + 7  # one more per sample
     with pytest.raises(ValueError, match=r"shift_labels counts each sample's labels after its first, but the first"):
         valid_tokens(torch.tensor([1, 2, 3]), IGNORE, shift_labels=True)
-    with pytest.raises(TypeError, match=r"PipelineOptions.shift_labels must be True or False, got 'yes'"):
-        PipelineOptions(shift_labels="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Loss.shift_labels must be True or False, got 'yes'"):
+        Loss(shift_labels="yes")  # type: ignore[arg-type]

@@ -18,7 +18,8 @@ from stagewise.comm import init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, torch_runtime, torch_stages
 from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
-from stagewise.schedule import BUILDERS, Schedule, StageCosts, build, simulate, validate
+from stagewise.schedule import Schedule, StageCosts, build, simulate, validate
+from stagewise.schedule.builders import BUILDERS
 
 BOUNDS = (0, 2, 3, 5, 8)
 """Four stages of the chain below, the third a lone GELU: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2."""

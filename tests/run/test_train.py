@@ -136,7 +136,7 @@ def test_a_validation_split_smaller_than_a_batch_fails_before_training(tmp_path:
 
 def fusions(configs: list[TrainConfig]) -> list[WeightGradientFusion | None]:
     torch.set_num_threads(1)
-    found = [build_pipeline(config).fusion for config in configs]
+    found = [build_pipeline(config)._runtime.fusion for config in configs]
     dist.destroy_process_group()
     return found
 

@@ -29,8 +29,8 @@ class Case:
     n_microbatches: int
     global_batch: int
     """Samples per step over all replicas."""
-    fusion: WeightGradientFusion | None = EVERY
-    """How linear weight gradients are accumulated: inside their GEMMs, pooled, or by autograd (None)."""
+    fusion: WeightGradientFusion = EVERY
+    """How linear weight gradients are accumulated: inside their GEMMs, pooled, or by autograd (``off()``)."""
     over_gloo: bool = False
     """Exchange through the transport's own gloo group, as ranks on other hosts do, rather than shared memory."""
     clip: bool = False
