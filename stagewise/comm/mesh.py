@@ -1,4 +1,4 @@
-"""init_mesh(): the process group and a ("pp", "dp", "fsdp", "tp") DeviceMesh, with each rank's place in it."""
+"""init_mesh(): the job's ("pp", "dp", "fsdp", "tp") DeviceMesh over groups of its own, and each rank's place in it."""
 
 from __future__ import annotations
 
