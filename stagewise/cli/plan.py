@@ -140,6 +140,11 @@ def _show(result: Plan, work: Workload, top: int) -> None:
             if key not in shown and len(shown) < 5:
                 shown.add(key)
                 print(f"  {o.describe()}: {o.rejected}")
+    if result.unranked:
+        print(
+            f"left out {len(result.unranked)} layouts that cannot be among the {top} fastest: a lower bound of their "
+            "step time is slower, or no split of their stages fits the memory"
+        )
 
 
 def _workload(ns: argparse.Namespace, model: nn.Module, sample: Payload, tokens: int) -> Workload:
@@ -227,7 +232,7 @@ def run(ns: argparse.Namespace) -> int:
         # a degree the workload did not describe: what the GPT's plan makes of it (or why it cannot)
         traffic = layer_traffic(layers_of(model), gpt_parallel.plan, ns.tp)
         work = dataclasses.replace(work, tensor_parallel=(*work.tensor_parallel, (ns.tp, traffic)))
-    result = plan(work, cluster, options=_pinned(ns, work, cluster))
+    result = plan(work, cluster, options=_pinned(ns, work, cluster), top=ns.top)
     _show(result, work, ns.top)
     if result.best is None:
         least = result.smallest_memory

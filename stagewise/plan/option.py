@@ -64,6 +64,10 @@ class Plan:
     rejected: tuple[Option, ...]
     smallest_memory: float | None
     """When nothing fits: the least memory per device that some layout would need."""
+    unranked: tuple[Option, ...] = ()
+    """Searched for the ``top`` fastest (:func:`~stagewise.plan.plan`'s ``top``): the layouts in neither list,
+    because they cannot be among the ``top`` fastest: a lower bound of their step time is slower than the
+    ``top``-th's, no split of their stages fits the devices' memory, or they fit and are slower. Empty otherwise."""
 
     @property
     def best(self) -> Option | None:

@@ -10,6 +10,7 @@ from stagewise.plan import plan_file
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import evaluate
 from stagewise.plan.option import Option, Plan
+from stagewise.plan.search import search
 from stagewise.plan.setting import cached_schedule
 from stagewise.plan.workload import Workload
 from stagewise.schedule import ScheduleName
@@ -107,7 +108,9 @@ def tensor_parallel_degrees(workload: Workload) -> list[int]:
     return [tp for tp, traffic in workload.tensor_parallel if not isinstance(traffic, str)]
 
 
-def plan(workload: Workload, cluster: Cluster, *, options: Sequence[Option] | None = None) -> Plan:
+def plan(
+    workload: Workload, cluster: Cluster, *, options: Sequence[Option] | None = None, top: int | None = None
+) -> Plan:
     """Evaluate every candidate layout (or ``options``) and rank the feasible ones by step time.
 
     Each candidate gets the exact partition under the devices' memory
@@ -119,20 +122,30 @@ def plan(workload: Workload, cluster: Cluster, *, options: Sequence[Option] | No
     their group spans) and the optimizer step, and the peak memory of every
     pipeline rank. A plan never proposes a layout whose predicted memory
     exceeds a device's capacity.
+
+    With ``top``, only the ``top`` fastest are wanted: :attr:`Plan.options` holds them, with the same figures and
+    in the same order as the whole search, and a layout that cannot be among them (a lower bound of its step time
+    is slower than the ``top``-th found, or no split of its stages fits the memory) is not evaluated but counted
+    in :attr:`Plan.unranked`, so :attr:`Plan.rejected` lists only the layouts evaluated. Where none fits, every
+    layout is evaluated, as without ``top``.
     """
     considered = list(options) if options is not None else candidates(
         cluster.n_devices, len(workload.costs), workload.global_batch, tp_degrees=tensor_parallel_degrees(workload),
         gpus_per_node=cluster.gpus_per_node,
     )  # fmt: skip
-    done = [evaluate(o, workload, cluster) for o in considered]
-    feasible = sorted((o for o in done if o.rejected is None), key=lambda o: (o.step_time, max(o.rank_memory)))
-    rejected = tuple(o for o in done if o.rejected is not None)
+    if top is not None:
+        found = search(considered, workload, cluster, top)
+        feasible, rejected, unranked = list(found.fastest), found.rejected, found.unranked
+    else:
+        done = [evaluate(o, workload, cluster) for o in considered]
+        feasible = sorted((o for o in done if o.rejected is None), key=lambda o: (o.step_time, max(o.rank_memory)))
+        rejected, unranked = tuple(o for o in done if o.rejected is not None), ()
     smallest = None
     if not feasible:
         needs = [max(o.rank_memory) for o in rejected if o.rank_memory]
         smallest = min(needs) if needs else None
-    log.info("planned %d layouts: %d fit", len(done), len(feasible))
-    return Plan(tuple(feasible), rejected, smallest)
+    log.info("planned %d layouts: %d fit", len(considered), len(feasible))
+    return Plan(tuple(feasible), rejected, smallest, unranked)
 
 
 def load_plan(text: str, *, model: str | None = None) -> dict[str, Any]:

@@ -57,6 +57,11 @@ def test_seventy_billion_on_64_gpus_fits_and_never_exceeds_memory(seventy: Workl
     assert times == sorted(times)
     reasons = [o.rejected for o in result.rejected]
     assert any(r and "GiB > 80.0 GiB (in the leanest split)" in r for r in reasons)
+    # What `stagewise plan` shows (--top 8): the same 8 fastest, figures and order, most layouts ruled out by bounds.
+    top = plan(seventy, cluster, top=8)
+    assert top.options == result.options[:8] and len(top.unranked) > len(top.rejected)
+    best = top.options[0]
+    assert (best.describe(), round(best.step_time, 2)) == ("pp=8 dp=1 fsdp=4 tp=2 m=128 interleaved-1f1b +ckpt", 56.61)
 
 
 def test_a_model_that_cannot_fit_says_how_much_memory_it_needs(seventy: Workload) -> None:
