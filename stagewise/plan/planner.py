@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
-from stagewise.plan import plan_file
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import evaluate
 from stagewise.plan.option import Option, Plan
@@ -146,10 +144,3 @@ def plan(
         smallest = min(needs) if needs else None
     log.info("planned %d layouts: %d fit", len(considered), len(feasible))
     return Plan(tuple(feasible), rejected, smallest, unranked)
-
-
-def load_plan(text: str, *, model: str | None = None) -> dict[str, Any]:
-    """A plan written by :meth:`Plan.to_json`, each field checked for its type and range and returned as written;
-    ``model``, the command line's, may be a ``MODULE:FACTORY`` that the plan names too
-    (:func:`stagewise.plan.plan_file.load_plan`, whose schema is :data:`~stagewise.plan.plan_file.FIELDS`)."""
-    return plan_file.load_plan(text, model=model)

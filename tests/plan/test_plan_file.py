@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from stagewise.plan import load_plan, plan, workload
+from stagewise.plan import plan, workload
 from stagewise.plan.cluster import Cluster, Device
-from stagewise.plan.plan_file import FIELDS, HF, MAX_PLAN_BYTES, OPTIMIZERS, read_plan, schema, sectioned
+from stagewise.plan.plan_file import FIELDS, HF, MAX_PLAN_BYTES, OPTIMIZERS, load_plan, read_plan, schema, sectioned
 from stagewise.run import Optimizer
 from stagewise.run.user_model import HF as RUN_HF
 from stagewise.schedule import build

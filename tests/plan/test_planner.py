@@ -19,10 +19,11 @@ from stagewise.cli.train import config_of
 from stagewise.models import build, preset
 from stagewise.partition import LayerCost, Partition
 from stagewise.partition.live_bytes import LiveBytes
-from stagewise.plan import Option, candidates, evaluate, load_plan, plan
+from stagewise.plan import Option, evaluate, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.evaluate import partitioned
-from stagewise.plan.planner import SEARCHED
+from stagewise.plan.plan_file import load_plan
+from stagewise.plan.planner import SEARCHED, candidates
 from stagewise.plan.rejection import Rejection
 from stagewise.plan.setting import Setting, Settings
 from stagewise.plan.synthesised import synthesised
