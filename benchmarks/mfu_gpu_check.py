@@ -41,7 +41,7 @@ from stagewise.models import PRESETS
 from stagewise.models.gpt import GPTConfig
 from stagewise.partition import Partition, layers_of
 from stagewise.pipeline import Compute, Pipeline, PipelineOptions
-from stagewise.pipeline.compiled import CompiledGraphs, compile_layers
+from stagewise.pipeline.stage.compiled import CompiledGraphs, compile_layers
 from stagewise.plan import Option, evaluate
 from stagewise.plan.cluster import Cluster, Device
 from stagewise.plan.workload import workload

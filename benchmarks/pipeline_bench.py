@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 from stagewise.comm import init_mesh, launch
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, PipelineOptions, WeightGradientFusion
-from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientStore
+from stagewise.pipeline.backward.fusion import FusedWeightGradients, WeightGradientStore
 from stagewise.schedule import StageCosts, synthesise
 from stagewise.schedule.synthesis import Synthesis
 

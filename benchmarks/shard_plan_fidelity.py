@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from stagewise.comm import launch
 from stagewise.pipeline import Pipeline
-from stagewise.pipeline.fully_sharded import ShardedStages
+from stagewise.pipeline.parallel.fully_sharded import ShardedStages
 from stagewise.plan import Option, evaluate
 from stagewise.plan.cluster import Cluster, Device
 from stagewise.plan.workload import preset_model, workload_under_load

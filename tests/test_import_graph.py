@@ -1,4 +1,5 @@
-"""The package's import graph: imports point down the layers, no module imports itself back, only the CLI prints."""
+"""The package's import graph: imports point down the layers (and down the pipeline's floors), no module imports
+itself back, only the CLI prints."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "__main__": frozenset({"cli"}),
 }
 """Which parts of stagewise each part may import (its own modules aside): the layers of DESIGN.md, downwards only."""
+
+PIPELINE_FLOORS: tuple[str, ...] = ("config", "backward", "loss", "stage", "parallel", "execution", "interop", "front")
+"""The floors of the pipeline layer, lowest first: each a folder of stagewise/pipeline, but ``config`` (its
+config.py: every option type, which every floor may read) and ``front`` (the other modules at its root: the
+Pipeline, its assembly, the loader, pretrained weights). A floor imports only its own modules and the floors below
+it; the package's ``__init__`` is the facade, which no module of the pipeline imports."""
 
 PRINTERS = frozenset({"cli"})
 """The only parts that may call print()."""
@@ -96,6 +103,36 @@ def layer_violations(edges: list[Import]) -> list[str]:
     return bad
 
 
+def pipeline_floor(module: str) -> str | None:
+    """The floor of :data:`PIPELINE_FLOORS` a module of the pipeline is on (``__init__`` for the package itself,
+    the name of an unknown folder for a module of one); None outside the pipeline."""
+    parts = module.split(".")
+    if parts[:2] != ["stagewise", "pipeline"]:
+        return None
+    if len(parts) == 2:
+        return "__init__"
+    if parts[2] == "config" or len(parts) > 3 or parts[2] in PIPELINE_FLOORS:
+        return parts[2]
+    return "front"
+
+
+def floor_violations(edges: list[Import]) -> list[str]:
+    """Imports within the pipeline that point up its floors, reach its facade, or come from a folder on no floor."""
+    bad = []
+    for edge in edges:
+        source, target = pipeline_floor(edge.source), pipeline_floor(edge.target)
+        if source is None or target is None or source == "__init__":
+            continue
+        where = f"{edge.source} (line {edge.line}) imports {edge.target}"
+        if source not in PIPELINE_FLOORS:
+            bad.append(f"{where}: {source} is on no floor of PIPELINE_FLOORS")
+        elif target == "__init__":
+            bad.append(f"{where}: the package's facade, which imports every floor; import the module itself")
+        elif target not in PIPELINE_FLOORS or PIPELINE_FLOORS.index(target) > PIPELINE_FLOORS.index(source):
+            bad.append(f"{where}: {source} may not import {target}, which is above it")
+    return bad
+
+
 def cycles(edges: list[Import]) -> list[list[str]]:
     """Groups of modules that import each other, directly or through others (Tarjan's strongly connected sets)."""
     succ: dict[str, set[str]] = {}
@@ -158,6 +195,16 @@ def test_imports_point_down_the_layers() -> None:
     assert layer_violations(graph()) == []
 
 
+def test_every_folder_of_the_pipeline_is_a_floor() -> None:
+    folders = {p.parent.name for p in (PACKAGE / "pipeline").glob("*/__init__.py")}
+    assert folders <= set(PIPELINE_FLOORS), f"folders on no floor: {sorted(folders - set(PIPELINE_FLOORS))}"
+    assert {"config", "front"} | folders == set(PIPELINE_FLOORS), "a floor with no folder"
+
+
+def test_imports_point_down_the_pipelines_floors() -> None:
+    assert floor_violations(graph()) == []
+
+
 def test_no_module_imports_itself_back() -> None:
     assert cycles(graph()) == []
 
@@ -205,6 +252,40 @@ def test_a_bad_import_is_caught(tmp_path: Path, files: Mapping[str, str], expect
     root = _fake_package(tmp_path, {"__init__.py": "", **files})
     violations = layer_violations(graph(root))
     assert len(violations) == 1 and expected in violations[0]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        pytest.param(
+            {"pipeline/backward/fusion.py": "from stagewise.pipeline.stage.module import StageModule\n"},
+            "backward may not import stage, which is above it",
+            id="a folder importing one above it",
+        ),
+        pytest.param(
+            {"pipeline/config.py": "def f():\n    from stagewise.pipeline.pipe import Pipeline\n"},
+            "config may not import front, which is above it",
+            id="config importing the front, inside a function",
+        ),
+        pytest.param(
+            {"pipeline/stage/module.py": "from stagewise.pipeline import Pipeline\n"},
+            "the package's facade",
+            id="a module importing the facade",
+        ),
+        pytest.param(
+            {"pipeline/misc/__init__.py": "", "pipeline/misc/x.py": "from ..config import PipelineOptions\n"},
+            "misc is on no floor",
+            id="a folder on no floor",
+        ),
+    ],
+)
+def test_a_bad_import_between_the_pipelines_floors_is_caught(
+    tmp_path: Path, files: Mapping[str, str], expected: str
+) -> None:
+    floors = {"pipeline/__init__.py": "", "pipeline/backward/__init__.py": "", "pipeline/stage/__init__.py": ""}
+    root = _fake_package(tmp_path, {"__init__.py": "", **floors, "pipeline/stage/module.py": "", **files})
+    violations = floor_violations(graph(root))
+    assert len(violations) == 1 and expected in violations[0], violations
 
 
 def test_a_cycle_is_caught(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from stagewise.checkpoint.safe_reader import SafeReader, read_tensors
 from stagewise.checkpoint.saving import MODEL, OPTIM, OPTIMIZER
 from stagewise.comm import everyone_agrees
 from stagewise.pipeline import Pipeline
-from stagewise.pipeline.tied_weights import local
+from stagewise.pipeline.parallel.tied_weights import local
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ from stagewise.pipeline.config import (
     TensorParallelPlan,
     WeightGradientFusion,
 )
-from stagewise.pipeline.interop import torch_pipe, torch_runtime, torch_stages
+from stagewise.pipeline.interop.torch_pipe import torch_pipe, torch_runtime, torch_stages
+from stagewise.pipeline.interop.torch_schedules import from_torch, to_torch
 from stagewise.pipeline.loader import Batch, LoaderOptions, StageLoader
-from stagewise.pipeline.materialise import materialise_model
-from stagewise.pipeline.nonfinite import NonFiniteLossError
+from stagewise.pipeline.loss.nonfinite import NonFiniteLossError
 from stagewise.pipeline.pipe import Pipeline
 from stagewise.pipeline.pretrained import PretrainedError, load_pretrained
-from stagewise.pipeline.stage import StageError
-from stagewise.pipeline.torch_schedules import from_torch, to_torch
+from stagewise.pipeline.stage.materialise import materialise_model
+from stagewise.pipeline.stage.module import StageError
 
 __all__ = [
     "Batch",

@@ -11,18 +11,18 @@ from torch import nn
 
 from stagewise.comm import Layout, PipelineMesh, Transport
 from stagewise.partition import Layer, Partition, shared_parameters
-from stagewise.pipeline.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
-from stagewise.pipeline.compiled import CompiledGraphs, backend_of
 from stagewise.pipeline.config import LossFn, PipelineOptions, WeightGradientFusion
-from stagewise.pipeline.data_parallel import Replicas
-from stagewise.pipeline.executor import Executor
-from stagewise.pipeline.fully_sharded import ShardedStages, fully_sharded
-from stagewise.pipeline.loss_sharing import Sharing
-from stagewise.pipeline.materialise import Materialising, initialiser_of
-from stagewise.pipeline.parameters import ModelNames
-from stagewise.pipeline.stage import StageModule, own_stages
-from stagewise.pipeline.tensor_parallel import split_stages
-from stagewise.pipeline.tied_weights import Ties
+from stagewise.pipeline.execution.executor import Executor
+from stagewise.pipeline.loss.sharing import Sharing
+from stagewise.pipeline.parallel.data_parallel import Replicas
+from stagewise.pipeline.parallel.fully_sharded import ShardedStages, fully_sharded
+from stagewise.pipeline.parallel.tensor_parallel import split_stages
+from stagewise.pipeline.parallel.tied_weights import Ties
+from stagewise.pipeline.stage.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
+from stagewise.pipeline.stage.compiled import CompiledGraphs, backend_of
+from stagewise.pipeline.stage.held import ModelNames
+from stagewise.pipeline.stage.materialise import Materialising, initialiser_of
+from stagewise.pipeline.stage.module import StageModule, own_stages
 from stagewise.schedule.actions import Schedule
 from stagewise.schedule.builders import ScheduleName, build
 from stagewise.schedule.validate import validate
@@ -123,7 +123,7 @@ class Runtime:
     compiled: CompiledGraphs | None
     """The backend compiling every layer, counting its graphs; None: the layers run eagerly."""
     tensor_parallel: list[str]
-    """The layers this rank's stages split over the mesh's ``tp`` ranks (see :mod:`.tensor_parallel`)."""
+    """The layers this rank's stages split over the mesh's ``tp`` ranks (see :mod:`.parallel.tensor_parallel`)."""
     sharded: ShardedStages | None
     """This rank's stages sharded by FSDP; None: whole on every rank of a replica."""
     ties: Ties

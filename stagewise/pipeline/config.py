@@ -1,5 +1,4 @@
-"""Every option of a Pipeline: the types of its settings and the documented groups of its rarer knobs, each checked
-on construction."""
+"""Every option of a Pipeline: the types of its settings and the groups of its rarer knobs, each checked when made."""
 
 from __future__ import annotations
 

@@ -16,15 +16,15 @@ from stagewise.comm import Payload, PipelineMesh, as_tensors, init_mesh, world_g
 from stagewise.partition import CapturedChain, Partition, layers_of
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
 from stagewise.pipeline.assembly import Runtime, assemble, checked_schedule, quietly
-from stagewise.pipeline.clip import Counting, clip_grad_norm_, held_copies
+from stagewise.pipeline.backward.clip import Counting, clip_grad_norm_, held_copies
 from stagewise.pipeline.config import LossFn, PipelineOptions
-from stagewise.pipeline.executor import StepResult
-from stagewise.pipeline.loss_sharing import share_count, share_loss
-from stagewise.pipeline.microbatch import Microbatches, batch_size, concat, split
-from stagewise.pipeline.nonfinite import EarlierGradients, first_non_finite, skipped_step
-from stagewise.pipeline.parameters import HeldStages
-from stagewise.pipeline.tensor_parallel import placed_like_parameters
-from stagewise.pipeline.tokens import check_tokens, global_tokens, per_token, valid_tokens
+from stagewise.pipeline.execution.executor import StepResult
+from stagewise.pipeline.loss.microbatch import Microbatches, batch_size, concat, split
+from stagewise.pipeline.loss.nonfinite import EarlierGradients, first_non_finite, skipped_step
+from stagewise.pipeline.loss.sharing import share_count, share_loss
+from stagewise.pipeline.loss.tokens import check_tokens, global_tokens, per_token, valid_tokens
+from stagewise.pipeline.parallel.tensor_parallel import placed_like_parameters
+from stagewise.pipeline.stage.held import HeldStages
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.builders import ScheduleName
 from stagewise.schedule.render import to_chrome_trace
@@ -68,10 +68,10 @@ class Pipeline(HeldStages):
     With ``fsdp > 1`` each stage is sharded over the ``fsdp`` ranks of its
     replica by torch's ``fully_shard`` (HSDP with ``dp > 1``), gathered once
     per step and its gradients reduce-scattered once (see
-    :mod:`stagewise.pipeline.fully_sharded`; DDP is not used then); each of
+    :mod:`stagewise.pipeline.parallel.fully_sharded`; DDP is not used then); each of
     the ``dp x fsdp`` ranks of a stage takes its own share of the batch. With
     ``tp > 1`` each layer is split over the ``tp`` ranks by
-    ``options.tensor_parallel`` (see :mod:`stagewise.pipeline.tensor_parallel`),
+    ``options.tensor_parallel`` (see :mod:`stagewise.pipeline.parallel.tensor_parallel`),
     which take the same share. :meth:`parameters` then yields DTensors.
 
     Batch norms normalise each micro-batch with its own statistics, as with

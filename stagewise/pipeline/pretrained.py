@@ -1,5 +1,4 @@
-"""Pretrained weights in safetensors: read per stage (each rank reads only its own tensors), and written back as a
-file or a folder that ``from_pretrained`` loads."""
+"""Pretrained weights in safetensors: read per stage (a rank reads its own tensors), written for ``from_pretrained``."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from stagewise.comm.layout import Layout
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
 from stagewise.models import GPTConfig
 from stagewise.pipeline import NonFinite, WeightGradientFusion
-from stagewise.pipeline.materialise import layer_seed
+from stagewise.pipeline.stage.materialise import layer_seed
 from stagewise.run.user_model import UserModel, model_of
 from stagewise.schedule import ScheduleName
 
@@ -23,7 +23,7 @@ TORCH_SEEDS = range(-(2**63), 2**64)
 _STRIDE = layer_seed(1, 0) - layer_seed(0, 0)
 SEEDS = range(-(-TORCH_SEEDS.start // _STRIDE), TORCH_SEEDS.stop // _STRIDE)
 """The seeds a run takes: those whose every layer's seed (``seed x stride + layer``, see
-:func:`~stagewise.pipeline.materialise.layer_seed`) torch takes too, on every rank, for layers fewer than the
+:func:`~stagewise.pipeline.stage.materialise.layer_seed`) torch takes too, on every rank, for layers fewer than the
 stride (a million)."""
 
 

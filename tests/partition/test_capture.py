@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from stagewise.models.nonchain import MaskedTransformer, UNetMLP
-from stagewise.partition import CaptureError, auto, capture, layers_of, profile, repeated_blocks, shared_parameters
+from stagewise.partition import CaptureError, auto, capture, layers_of, profile, shared_parameters
+from stagewise.partition.capture import repeated_blocks
 from stagewise.pipeline import materialise_model, torch_pipe
-from stagewise.pipeline.materialise import materialise
+from stagewise.pipeline.stage.materialise import materialise
 
 
 def inputs(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from stagewise.comm import PipelineMesh, init_mesh
 from stagewise.partition import CapturedChain, Layer, Partition, capture, layers_of
 from stagewise.pipeline import Compute, Loss, Pipeline, PipelineOptions
-from stagewise.pipeline.batch_norm import DeferredBatchNorm, Moments, statistics_source, update_running
-from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.stage.batch_norm import DeferredBatchNorm, Moments, statistics_source, update_running
+from stagewise.pipeline.stage.module import StageModule
 
 STEPS = 3
 LR = 0.1

@@ -13,7 +13,7 @@ from support.multiproc import run_ranks
 from torch import nn
 
 from stagewise.comm import init_mesh
-from stagewise.pipeline.clip import clip_grad_norm_
+from stagewise.pipeline.backward.clip import clip_grad_norm_
 
 GRADS = ([1.0, -2.0, 3.0], [0.5, 4.0, -1.0])
 """The gradient of each rank's one parameter."""

@@ -27,8 +27,8 @@ from stagewise.pipeline import (
     PipelineOptions,
     StageLoader,
     WeightGradientFusion,
-    loss_sharing,
 )
+from stagewise.pipeline.loss import sharing as loss_sharing
 
 STEPS = 3
 CLIP = 0.3  # small enough to clip at every step

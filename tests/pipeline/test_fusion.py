@@ -13,12 +13,12 @@ from torch import nn
 
 from stagewise.partition import layers_of
 from stagewise.pipeline import WeightGradientFusion
-from stagewise.pipeline.backward_plan import BackwardPlan
-from stagewise.pipeline.executor import Executor
-from stagewise.pipeline.fusion import FusedWeightGradients, WeightGradientStore
-from stagewise.pipeline.microbatch import split
-from stagewise.pipeline.split_backward import ParameterUses, WeightUse
-from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.backward.fusion import FusedWeightGradients, WeightGradientStore
+from stagewise.pipeline.backward.plan import BackwardPlan
+from stagewise.pipeline.backward.split import ParameterUses, WeightUse
+from stagewise.pipeline.execution.executor import Executor
+from stagewise.pipeline.loss.microbatch import split
+from stagewise.pipeline.stage.module import StageModule
 from stagewise.schedule import Schedule, ScheduleName, build, holdings, peak_in_flight, validate
 from stagewise.schedule.actions import Action, Kind, forwards_first
 from stagewise.schedule.holdings import Holding, free_pool

@@ -266,7 +266,7 @@ def test_compiled_layers_with_tensor_parallelism_are_refused_in_one_line(
 
 def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> None:
     from stagewise.partition.segment import Segment
-    from stagewise.pipeline.tensor_parallel import parallelize
+    from stagewise.pipeline.parallel.tensor_parallel import parallelize
 
     class TwoRanks:  # parallelize reads only the mesh's size before it refuses
         def size(self) -> int:

@@ -15,7 +15,8 @@ from support.multiproc import run_ranks
 from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import Partition
-from stagewise.pipeline import DataParallel, Pipeline, PipelineOptions, materialise_model, tied_weights
+from stagewise.pipeline import DataParallel, Pipeline, PipelineOptions, materialise_model
+from stagewise.pipeline.parallel import tied_weights
 
 STEPS = 3
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=3, n_heads=2, tie_embeddings=True)

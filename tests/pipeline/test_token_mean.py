@@ -16,8 +16,8 @@ from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig, preset
 from stagewise.partition import Partition
 from stagewise.pipeline import Loss, Pipeline, PipelineOptions, materialise_model
-from stagewise.pipeline.microbatch import split
-from stagewise.pipeline.tokens import check_tokens, per_token, valid_tokens
+from stagewise.pipeline.loss.microbatch import split
+from stagewise.pipeline.loss.tokens import check_tokens, per_token, valid_tokens
 from stagewise.run.objective import objective
 
 CONFIG = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=2)

@@ -17,7 +17,7 @@ from torch import nn
 from stagewise.comm import init_mesh
 from stagewise.partition import Partition
 from stagewise.pipeline import Pipeline, torch_runtime, torch_stages
-from stagewise.pipeline.torch_schedules import from_actions, from_torch, to_torch
+from stagewise.pipeline.interop.torch_schedules import from_actions, from_torch, to_torch
 from stagewise.schedule import Schedule, StageCosts, build, simulate, validate
 from stagewise.schedule.builders import BUILDERS
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise.comm import Payload, PipelineMesh, as_tensors, named_collective
-from stagewise.pipeline.microbatch import Microbatches
+from stagewise.pipeline.loss.microbatch import Microbatches
 
 
 def valid_tokens(targets: Payload, ignore_index: int, *, shift_labels: bool = False) -> int:

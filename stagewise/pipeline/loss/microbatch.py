@@ -29,7 +29,7 @@ class Microbatches:
     """Samples in each micro-batch; they differ by at most one."""
     weights: tuple[float, ...]
     """Factor of each micro-batch's loss: ``size / batch`` for a mean loss, 1 for a sum, and for a token mean
-    1 / :attr:`tokens` (:func:`stagewise.pipeline.tokens.per_token`; 1 until then)."""
+    1 / :attr:`tokens` (:func:`stagewise.pipeline.loss.tokens.per_token`; 1 until then)."""
     tokens: int = -1
     """For a token mean, the valid target tokens of the global batch, by which each summed loss is divided; else -1."""
 

@@ -1,5 +1,4 @@
-"""Tensor parallelism inside stages: each layer's modules split over the mesh's ``tp`` ranks by a plan, with
-DTensor's ``parallelize_module``, from outside the model."""
+"""Tensor parallelism inside stages: each layer split over the mesh's ``tp`` ranks by a plan (parallelize_module)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ from stagewise.partition import Layer
 from stagewise.partition.layers import SharedParameter
 from stagewise.partition.segment import Segment
 from stagewise.pipeline.config import TensorParallelPlan
-from stagewise.pipeline.stage import StageModule
-from stagewise.pipeline.tied_weights import retie
+from stagewise.pipeline.stage.module import StageModule
+from stagewise.pipeline.stage.retie import retie
 
 log = logging.getLogger(__name__)
 

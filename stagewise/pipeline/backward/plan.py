@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.pipeline.fusion import WeightGradientStore
-from stagewise.pipeline.split_backward import WeightUse
+from stagewise.pipeline.backward.fusion import WeightGradientStore
+from stagewise.pipeline.backward.split import WeightUse
 
 
 @dataclass(frozen=True)
@@ -19,13 +19,13 @@ class BackwardPlan:
 
     owners: list[WeightUse] | None = None
     """Record every use of parameters here, as the layers run: a split backward's W starts from them (see
-    :class:`~stagewise.pipeline.split_backward.WeightUse`); None: record none."""
+    :class:`~stagewise.pipeline.backward.split.WeightUse`); None: record none."""
     joint: bool = False
     """With ``owners``: W runs one backward over all of them (see :attr:`ParameterUses.cut_all`), as the
     micro-batch whose backward DDP synchronises needs (its hooks fire once)."""
     fused: bool = False
     """The backward accumulates the gradients of the stage's linear weights of at least its fusion threshold
-    itself (see :class:`~stagewise.pipeline.fusion.FusedWeightGradients`), not through autograd."""
+    itself (see :class:`~stagewise.pipeline.backward.fusion.FusedWeightGradients`), not through autograd."""
     store: WeightGradientStore | None = None
     """With ``fused``: where the backward leaves those gradients until the store's ``flush``; None: straight into
     ``.grad``."""

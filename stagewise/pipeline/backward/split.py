@@ -13,8 +13,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from stagewise.pipeline.fusion import fused_params
-from stagewise.pipeline.gradients import grad_tensors
+from stagewise.pipeline.backward.fusion import fused_params
+from stagewise.pipeline.backward.gradients import grad_tensors
 
 
 @dataclass(frozen=True)

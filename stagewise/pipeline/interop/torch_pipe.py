@@ -1,6 +1,7 @@
-"""A stagewise Partition under torch.distributed.pipelining's runtime: a traced ``Pipe`` cut where it cuts
-(:func:`torch_pipe`), or a chain's stages built directly (:func:`torch_stages`) and run by a stagewise schedule
-(:func:`torch_runtime`)."""
+"""A stagewise Partition under torch.distributed.pipelining's runtime: a traced Pipe, or a chain's stages directly.
+
+A traced ``Pipe`` cut where the partition cuts (:func:`torch_pipe`), or a chain's stages built directly
+(:func:`torch_stages`) and run by a stagewise schedule (:func:`torch_runtime`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:  # importing torch.distributed.pipelining takes a second and a
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 from stagewise.partition import CapturedChain, Partition, layers_of
-from stagewise.pipeline.torch_schedules import to_torch
+from stagewise.pipeline.interop.torch_schedules import to_torch
 from stagewise.schedule import Schedule
 
 

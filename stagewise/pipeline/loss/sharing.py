@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from stagewise.comm import PipelineMesh, Transport, named_collective
-from stagewise.pipeline.data_parallel import combine_losses
 
 
 @dataclass(frozen=True)
@@ -103,3 +102,23 @@ def along_pipeline(
     if mesh.layout.pp > 1:
         transport.broadcast_along(mesh.pp_group, source, packet, what=what)
     return packet
+
+
+@dataclass(frozen=True)
+class ReplicaLoss:
+    """The step's loss over all replicas, and the smallest and largest replica batch."""
+
+    loss: torch.Tensor
+    smallest: int
+    largest: int
+
+
+def combine_losses(loss: torch.Tensor, samples: int, *, group: dist.ProcessGroup, mean: bool) -> ReplicaLoss:
+    """The global batch's loss from each replica's (on the last stage): weighted by batch size for a mean loss."""
+    mine = torch.tensor([float(loss), float(samples)], dtype=torch.float64, device=loss.device)
+    every = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every).cpu()
+    sizes = table[:, 1]
+    total = (table[:, 0] * sizes).sum() / sizes.sum() if mean else table[:, 0].sum()
+    return ReplicaLoss(total.to(loss.device, torch.float32), int(sizes.min()), int(sizes.max()))

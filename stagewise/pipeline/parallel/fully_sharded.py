@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from stagewise.comm import Layout, PipelineMesh, named_collective
 from stagewise.pipeline.config import FullySharded
-from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.stage.module import StageModule
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -13,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stagewise.comm import named_collective
 from stagewise.pipeline.config import DataParallel
-from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.stage.module import StageModule
 from stagewise.schedule.actions import Action, Kind
 
 log = logging.getLogger(__name__)
@@ -133,23 +132,3 @@ def reaches(outputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> 
                 seen.add(following)
                 stack.append(following)
     return False
-
-
-@dataclass(frozen=True)
-class ReplicaLoss:
-    """The step's loss over all replicas, and the smallest and largest replica batch."""
-
-    loss: torch.Tensor
-    smallest: int
-    largest: int
-
-
-def combine_losses(loss: torch.Tensor, samples: int, *, group: dist.ProcessGroup, mean: bool) -> ReplicaLoss:
-    """The global batch's loss from each replica's (on the last stage): weighted by batch size for a mean loss."""
-    mine = torch.tensor([float(loss), float(samples)], dtype=torch.float64, device=loss.device)
-    every = [torch.empty_like(mine) for _ in range(group.size())]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every).cpu()
-    sizes = table[:, 1]
-    total = (table[:, 0] * sizes).sum() / sizes.sum() if mean else table[:, 0].sum()
-    return ReplicaLoss(total.to(loss.device, torch.float32), int(sizes.min()), int(sizes.max()))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from stagewise.partition.layers import SharedParameter
-from stagewise.pipeline.stage import StageModule
+from stagewise.pipeline.stage.module import StageModule
 
 Self = TypeVar("Self", bound="HeldStages")
 

@@ -18,14 +18,14 @@ from stagewise.errors import StagewiseError
 from stagewise.partition import Layer
 from stagewise.partition.layers import SharedParameter
 from stagewise.partition.segment import Segment
-from stagewise.pipeline.backward_plan import BackwardPlan
-from stagewise.pipeline.batch_norm import StageNorms
-from stagewise.pipeline.compiled import CompiledGraphs, compile_layers
+from stagewise.pipeline.backward.fusion import FusedWeightGradients
+from stagewise.pipeline.backward.plan import BackwardPlan
+from stagewise.pipeline.backward.split import ParameterUses, WeightUse, stop_for_weight_gradients, unseen_reads
 from stagewise.pipeline.config import Compute, WeightGradientFusion
-from stagewise.pipeline.fusion import FusedWeightGradients
-from stagewise.pipeline.materialise import Materialising, materialise
-from stagewise.pipeline.split_backward import ParameterUses, WeightUse, stop_for_weight_gradients, unseen_reads
-from stagewise.pipeline.tied_weights import retie
+from stagewise.pipeline.stage.batch_norm import StageNorms
+from stagewise.pipeline.stage.compiled import CompiledGraphs, compile_layers
+from stagewise.pipeline.stage.materialise import Materialising, materialise
+from stagewise.pipeline.stage.retie import retie
 
 log = logging.getLogger(__name__)
 

@@ -15,33 +15,10 @@ from torch.distributed.tensor import DTensor
 from stagewise.comm import PipelineMesh, named_collective
 from stagewise.partition import Layer, Partition
 from stagewise.partition.layers import SharedParameter
+from stagewise.pipeline.stage.retie import holder
 from stagewise.schedule.actions import Schedule
 
 log = logging.getLogger(__name__)
-
-
-def _holder(layers: Sequence[Layer], shared: SharedParameter, k: int) -> tuple[nn.Module, str]:
-    """The module that holds the ``k``-th use of ``shared`` directly, and the attribute name there."""
-    path, _, leaf = shared.attributes[k].rpartition(".")
-    module = layers[shared.indices[k]].module
-    return (module.get_submodule(path) if path else module), leaf
-
-
-def retie(layers: Sequence[Layer], shared: Sequence[SharedParameter], held: set[int]) -> None:
-    """Make the layers in ``held`` that share a parameter use one Parameter again: their first holder's.
-
-    Materialising layers one by one from the meta device gives each its own
-    tensor, which breaks ties; this restores them.
-    """
-    for tie in shared:
-        mine = [k for k, i in enumerate(tie.indices) if i in held]
-        if len(mine) < 2:
-            continue
-        module, leaf = _holder(layers, tie, mine[0])
-        param = getattr(module, leaf)
-        for k in mine[1:]:
-            other, name = _holder(layers, tie, k)
-            setattr(other, name, param)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,7 +86,7 @@ class Ties:
             k = next((k for k, i in enumerate(tie.indices) if partition.stage_of(i) in held), None)
             if k is None or mine is None:
                 continue
-            module, leaf = _holder(layers, tie, k)
+            module, leaf = holder(layers, tie, k)
             self.copies.append(TiedCopy(tie, getattr(module, leaf), mine, source, source == mesh.rank))
         if self.copies:
             log.info("rank %d keeps copies of tied parameters %s", mesh.rank, [c.tie.names for c in self.copies])

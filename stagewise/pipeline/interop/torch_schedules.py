@@ -1,5 +1,4 @@
-"""Schedules both ways between stagewise and torch.distributed.pipelining: export to torch's actions, import its
-schedule classes.
+"""Schedules both ways with torch.distributed.pipelining: exported to torch's actions, its schedule classes imported.
 
 Both write an action as stage, kind, micro-batch (``0F3``), so the conversion is one to one: F, B, I and W map to
 torch's FORWARD, FULL_BACKWARD, BACKWARD_INPUT and BACKWARD_WEIGHT. torch's runtime adds its own sends and

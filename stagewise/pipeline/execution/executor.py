@@ -11,15 +11,15 @@ from dataclasses import dataclass, field
 import torch
 
 from stagewise.comm import Payload, PayloadLayout, Transport, as_tensors
-from stagewise.pipeline.backward_plan import BackwardPlan
+from stagewise.pipeline.backward.fusion import WeightGradientStore
+from stagewise.pipeline.backward.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
+from stagewise.pipeline.backward.plan import BackwardPlan
+from stagewise.pipeline.backward.split import WeightUse, weight_gradients
 from stagewise.pipeline.config import LossFn, WeightGradientFusion
-from stagewise.pipeline.data_parallel import Replicas, sync_points
-from stagewise.pipeline.fusion import WeightGradientStore
-from stagewise.pipeline.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
-from stagewise.pipeline.microbatch import Microbatches, scalar_loss
-from stagewise.pipeline.posted_receives import ACTIVATIONS, GRADIENTS, LOOKAHEAD, PostedReceives
-from stagewise.pipeline.split_backward import WeightUse, weight_gradients
-from stagewise.pipeline.stage import StageError, StageModule, failure
+from stagewise.pipeline.execution.receives import ACTIVATIONS, GRADIENTS, LOOKAHEAD, PostedReceives
+from stagewise.pipeline.loss.microbatch import Microbatches, scalar_loss
+from stagewise.pipeline.parallel.data_parallel import Replicas, sync_points
+from stagewise.pipeline.stage.module import StageError, StageModule, failure
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.dependencies import Event
 from stagewise.schedule.holdings import rank_pool
@@ -75,7 +75,7 @@ class Executor:
     the output gradient (or the weighted loss) into the parameters and the
     stage input, and sends the input gradient back. Zero-bubble splits B: I
     computes the input gradient and, on the way, the gradient of the output of
-    every op that reads a parameter (:class:`stagewise.pipeline.split_backward.WeightUse`);
+    every op that reads a parameter (:class:`stagewise.pipeline.backward.split.WeightUse`);
     W later turns each of those into that op's parameter gradients, so nothing
     is accumulated twice and no activation gradient is computed again. With
     fusion, I leaves each fused linear's output gradient and input in the
@@ -83,7 +83,7 @@ class Executor:
     weight, without autograd. Receives for the next actions are posted before
     the current one computes, so transfers overlap compute. With ``fusion``, B
     accumulates linear weight gradients into ``.grad`` inside its GEMMs
-    (:class:`stagewise.pipeline.fusion.FusedWeightGradients`), except for the
+    (:class:`stagewise.pipeline.backward.fusion.FusedWeightGradients`), except for the
     backward after which DDP all-reduces a stage, whose hooks must see it.
     Backwards may pool their fused weight gradients (:class:`WeightGradientStore`),
     computed as one GEMM per weight every ``pool`` backwards of the rank, or

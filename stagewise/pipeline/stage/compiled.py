@@ -1,5 +1,4 @@
-"""Compiled stages: each layer's forward compiled with ``torch.compile``, its backward through AOTAutograd, and
-the graphs compiled counted."""
+"""Compiled stages: each layer compiled by ``torch.compile`` (its backward through AOTAutograd), its graphs counted."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from torch import nn
 from stagewise.partition import CapturedChain, layers_of, shared_parameters
 from stagewise.partition.layers import SharedParameter
 from stagewise.pipeline.config import Initialiser
-from stagewise.pipeline.tied_weights import retie
+from stagewise.pipeline.stage.retie import retie
 
 _SEED_STRIDE = 1_000_003  # a prime: seeds (seed, layer) apart for any realistic layer count
 

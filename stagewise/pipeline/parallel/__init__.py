@@ -1,0 +1,1 @@
+"""Parallelism around the stages: tied copies across ranks, DDP replicas, FSDP sharding, tensor parallelism."""
