@@ -7,17 +7,14 @@ layers under no split is one that :func:`~stagewise.plan.evaluate.evaluate` reje
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import numpy as np
 
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import Overheads
-from stagewise.plan.setting import Setting, cached_schedule
+from stagewise.plan.setting import ScheduleShape, Setting, cached_shape
 from stagewise.plan.time_model import optimizer_seconds, sync_seconds
 from stagewise.plan.workload import Workload
-from stagewise.schedule import ScheduleName, StageCosts, peak_in_flight
+from stagewise.schedule import StageCosts
 
 SLACK = 1e-9
 """How far under its exact figure a time bound is set, so that sums taken in another order never lift it over."""
@@ -25,25 +22,9 @@ MEMORY_SLACK = 1e-6
 """How far over a stage's capacity the fit test lets a range's bound go, for the same reason."""
 
 
-@dataclass(frozen=True)
-class _Shape:
-    """What the bounds need of a built-in schedule."""
-
-    peaks: tuple[int, ...]
-    """Per stage: the most micro-batches it holds in flight (:func:`~stagewise.schedule.peak_in_flight`)."""
-    splits: bool
-    """Whether its backward runs as I then W."""
-
-
-@functools.lru_cache(maxsize=1024)
-def _shape(name: ScheduleName, n_stages: int, n_microbatches: int, n_virtual: int) -> _Shape:
-    schedule = cached_schedule(name, n_stages, n_microbatches, n_virtual)
-    return _Shape(peak_in_flight(schedule), schedule.splits_backward)
-
-
-def _shape_of(setting: Setting) -> _Shape:
+def _shape_of(setting: Setting) -> ScheduleShape:
     o = setting.option
-    return _shape(o.schedule, setting.schedule.n_stages, o.n_microbatches, o.n_virtual)
+    return cached_shape(o.schedule, setting.schedule.n_stages, o.n_microbatches, o.n_virtual)
 
 
 def step_floor(setting: Setting, workload: Workload, cluster: Cluster) -> float:

@@ -17,7 +17,7 @@ from stagewise.plan.rejection import Rejection, recompute_rejection, shape_rejec
 from stagewise.plan.tensor_parallel import collective_seconds, split_costs, split_ties
 from stagewise.plan.time_model import layer_times
 from stagewise.plan.workload import Workload
-from stagewise.schedule import Schedule, ScheduleName, build, holdings
+from stagewise.schedule import Schedule, ScheduleName, build, holdings, peak_in_flight
 from stagewise.schedule.holdings import FREE, Holding
 
 
@@ -36,6 +36,29 @@ def cached_holdings(
     pool; sharded stages have none (their gradients accumulate through autograd)."""
     schedule = cached_schedule(name, n_stages, n_microbatches, n_virtual)
     return holdings(schedule, FREE if pooled else None, checkpointing=checkpointing)
+
+
+@dataclass(frozen=True)
+class ScheduleShape:
+    """What the search's bounds need of a built-in schedule."""
+
+    peaks: tuple[int, ...]
+    """Per stage: the most micro-batches it holds in flight (:func:`~stagewise.schedule.peak_in_flight`)."""
+    splits: bool
+    """Whether its backward runs as I then W."""
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_shape(name: ScheduleName, n_stages: int, n_microbatches: int, n_virtual: int) -> ScheduleShape:
+    """The :class:`ScheduleShape` of a built-in schedule, once per shape."""
+    schedule = cached_schedule(name, n_stages, n_microbatches, n_virtual)
+    return ScheduleShape(peak_in_flight(schedule), schedule.splits_backward)
+
+
+def clear_caches() -> None:
+    """Forget the schedules built and what was worked out of them, as a fresh process starts (for timing a search)."""
+    for cache in (cached_schedule, cached_holdings, cached_shape):
+        cache.cache_clear()
 
 
 def scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, input_bytes: float) -> list[LayerCost]:
