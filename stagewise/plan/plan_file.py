@@ -22,7 +22,7 @@ from typing import Any, get_args
 
 from stagewise.errors import is_whole
 from stagewise.models import PRESETS
-from stagewise.plan.workload import OptimizerKind
+from stagewise.plan.measure import OptimizerKind
 from stagewise.schedule import Schedule, ScheduleName
 from stagewise.schedule.actions import Action
 

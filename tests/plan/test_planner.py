@@ -22,12 +22,13 @@ from stagewise.partition.live_bytes import LiveBytes
 from stagewise.plan import Option, evaluate, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.evaluate import partitioned
+from stagewise.plan.measure import measure_optimizer
 from stagewise.plan.plan_file import load_plan
 from stagewise.plan.planner import SEARCHED, candidates
 from stagewise.plan.rejection import Rejection
 from stagewise.plan.setting import Setting, Settings
 from stagewise.plan.synthesised import synthesised
-from stagewise.plan.workload import PASSES_ALLOWED, Workload, _profile_rank, measure_optimizer, workload
+from stagewise.plan.workload import PASSES_ALLOWED, Workload, _profile_rank, workload
 from stagewise.run import TrainConfig, train
 from stagewise.run.loop import schedule_of
 from stagewise.schedule import Schedule, ScheduleName, peak_in_flight, validate
