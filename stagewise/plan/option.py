@@ -58,7 +58,8 @@ class Option:
 
 @dataclass(frozen=True)
 class Plan:
-    """Every layout considered: the feasible ones fastest first, the rejected ones with their reasons."""
+    """Every layout considered: the feasible ones fastest first, the rejected ones with their reasons; searched for
+    the ``top`` fastest, those and the rejections of the layouts evaluated, the others counted in :attr:`unranked`."""
 
     options: tuple[Option, ...]
     rejected: tuple[Option, ...]
