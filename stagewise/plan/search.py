@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stagewise.errors import whole_number
 from stagewise.plan.bounds import can_fit, pipeline_floor, step_floor
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import evaluate, measured, overheads, partitioned, rejected, timed
@@ -72,8 +73,7 @@ def search(candidates: Sequence[Option], workload: Workload, cluster: Cluster, t
     (:func:`~stagewise.plan.bounds.can_fit`), nor simulated one whose partition's bound is slower. Where none fits,
     every candidate is evaluated, so the rejections say what each would need.
     """
-    if top < 1:
-        raise ValueError(f"top must be >= 1, got {top}; give how many of the fastest layouts to find")
+    whole_number("top", top, least=1, fix="give how many of the fastest layouts to find")
     settings = Settings(workload, cluster)
     refused: dict[int, Option] = {}
     bounded: list[tuple[float, int, Setting]] = []
@@ -84,7 +84,9 @@ def search(candidates: Sequence[Option], workload: Workload, cluster: Cluster, t
         else:
             bounded.append((step_floor(setting, workload, cluster), index, setting))
     bounded.sort(key=lambda item: (item[0], item[1]))
-    ranking, fitting, skipped = _Ranking(top), dict[int, Option](), dict[int, Option]()
+    ranking = _Ranking(top)
+    fitting: dict[int, Option] = {}
+    skipped: dict[int, Option] = {}
     for floor, index, setting in bounded:
         option = candidates[index]
         if floor > ranking.bar or not can_fit(setting):
