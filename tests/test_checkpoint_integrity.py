@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from stagewise import checkpoint
+from stagewise.checkpoint import folders
 from stagewise.checkpoint.safe_reader import SafeReader, TensorsOnly, read_tensors
 from stagewise.cli import main
 from stagewise.comm import LaunchError
@@ -175,9 +176,9 @@ def test_a_resume_with_nothing_to_resume_is_refused_before_any_process_starts(
 
 def test_one_run_writes_a_checkpoint_directory(tmp_path: Path) -> None:
     held = rf"{tmp_path} is being written by another run \(pid "
-    with checkpoint.WriterLock(tmp_path), pytest.raises(checkpoint.CheckpointError, match=held):
-        checkpoint.check_unlocked(tmp_path)
-    checkpoint.check_unlocked(tmp_path)  # released: free again
+    with folders.WriterLock(tmp_path), pytest.raises(checkpoint.CheckpointError, match=held):
+        folders.check_unlocked(tmp_path)
+    folders.check_unlocked(tmp_path)  # released: free again
 
 
 def _mount_tmpfs(where: Path, size: str) -> bool:
@@ -214,7 +215,7 @@ def test_a_background_save_writes_what_the_synchronous_save_writes(runs: Runs, t
         BASE, checkpoint_dir=str(tmp_path), checkpoint_every=2, stop_after=4, checkpoint_async=True
     )
     torch.testing.assert_close(launch_run(config), runs.whole[:4], atol=0, rtol=0)
-    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002", "step-00000004"]
+    assert [p.name for p in folders.complete(tmp_path)] == ["step-00000002", "step-00000004"]
     assert checkpoint.verify(tmp_path / "step-00000004", checksums=True) is None
     got, want = exported(tmp_path, 4, tmp_path / "a.pt"), exported(runs.root / "half", 4, tmp_path / "s.pt")
     assert got.keys() == want.keys()

@@ -9,11 +9,10 @@ trust, rotation, the writer's lock), :mod:`~.manifest` (sizes and checksums),
 
 from stagewise.checkpoint.errors import CheckpointError
 from stagewise.checkpoint.exporting import ExportFormat, export
-from stagewise.checkpoint.folders import Choice, Refused, WriterLock, check_unlocked, choose, complete, latest
+from stagewise.checkpoint.folders import Choice, Refused, choose, latest
 from stagewise.checkpoint.loading import load, progress_of
 from stagewise.checkpoint.manifest import verify
 from stagewise.checkpoint.progress import Progress
-from stagewise.checkpoint.safe_reader import SafeReader
 from stagewise.checkpoint.saving import Checkpointer, save
 
 __all__ = [
@@ -23,11 +22,7 @@ __all__ = [
     "ExportFormat",
     "Progress",
     "Refused",
-    "SafeReader",
-    "WriterLock",
-    "check_unlocked",
     "choose",
-    "complete",
     "export",
     "latest",
     "load",

@@ -9,7 +9,8 @@ from typing import Any, get_args
 from stagewise.cli import args
 from stagewise.models import PRESETS
 from stagewise.partition import By, MemorySetting, balance_costs, layers_of, profile, shared_parameters
-from stagewise.schedule import BUILDERS, ScheduleName, build, holdings
+from stagewise.schedule import ScheduleName, build, holdings
+from stagewise.schedule.builders import BUILDERS
 from stagewise.units import format_bytes
 
 _ONE_STAGE_PER_RANK = [name for name in get_args(ScheduleName) if not BUILDERS[name].virtual]

@@ -16,7 +16,7 @@ from stagewise.partition.range_cost import FloatArray, RangeCost
 from stagewise.partition.shared_cost import Tie, check_ties
 from stagewise.partition.solver import SplitProblem, solve
 from stagewise.partition.split import Partition
-from stagewise.schedule import Holding
+from stagewise.schedule.holdings import Holding
 from stagewise.units import format_bytes
 
 log = logging.getLogger(__name__)

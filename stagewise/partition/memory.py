@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from stagewise.partition.layers import SharedParameter
 from stagewise.partition.profile import LayerCost
 from stagewise.partition.shared_cost import Tie, check_ties
-from stagewise.schedule import Holding, Schedule, peak_in_flight
+from stagewise.schedule import Schedule, peak_in_flight
+from stagewise.schedule.holdings import Holding
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from stagewise import checkpoint
-from stagewise.checkpoint.folders import WriterLock, step_folder, step_of
+from stagewise.checkpoint.folders import WriterLock, check_unlocked, step_folder, step_of
 from stagewise.comm import everyone_agrees
 from stagewise.comm.job_identity import job_token, restarts, shared_run_id
 from stagewise.pipeline import Pipeline
@@ -157,7 +157,7 @@ def check_resume(config: TrainConfig) -> None:
     another run writes, a resume with no checkpoint whose files match its manifest, a checkpoint whose data the
     run would not continue, or a run with nothing left to train (see :func:`check_resumable`)."""
     if config.checkpoint_dir is not None:
-        checkpoint.check_unlocked(config.checkpoint_dir)
+        check_unlocked(config.checkpoint_dir)
     if not config.resume or config.checkpoint_dir is None:
         return
     choice = checkpoint.choose(config.checkpoint_dir, checksums=False)  # sizes here; rank 0 checks the rest

@@ -8,17 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from stagewise.models import (
-    PRESETS,
-    ByteText,
-    CNNConfig,
-    MLPConfig,
-    build,
-    pattern_images,
-    read_corpus,
-    teacher_regression,
-    text_splits,
-)
+from stagewise.models import PRESETS, CNNConfig, MLPConfig, build
+from stagewise.models.synthetic import pattern_images, teacher_regression
+from stagewise.models.text import ByteText, read_corpus, text_splits
 from stagewise.partition import layers_of
 from stagewise.pipeline import materialise_model
 

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from stagewise.partition import CapacityError, MemoryModel, Tie, balance
-from stagewise.schedule import Holding
+from stagewise.schedule.holdings import Holding
 
 # Integer-valued weights and memory make every sum exact in float64, so the
 # brute force and the solver agree to the bit, ties included.

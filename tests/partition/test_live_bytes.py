@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stagewise.partition import LiveBytes
+from stagewise.partition.live_bytes import LiveBytes
 
 
 @pytest.mark.parametrize("device", ["meta", "cpu"])

@@ -20,11 +20,12 @@ from stagewise.partition import (
     balance_costs,
     layers_of,
     memory_model,
-    params_of,
     profile,
     shared_parameters,
 )
-from stagewise.schedule import Holding, Schedule, build, holdings, peak_in_flight
+from stagewise.partition.auto import params_of
+from stagewise.schedule import Schedule, build, holdings, peak_in_flight
+from stagewise.schedule.holdings import Holding
 
 
 def cost(name: str, param_bytes: int, buffer_bytes: int, saved: int, pooled: int = 0, use: int = 0) -> LayerCost:

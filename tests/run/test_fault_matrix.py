@@ -21,6 +21,7 @@ from support.faults import arm
 from support.multiproc import run_ranks, start_ranks
 
 from stagewise import checkpoint
+from stagewise.checkpoint import folders
 from stagewise.comm import LaunchError, Layout
 from stagewise.pipeline import Pipeline
 from stagewise.run import TrainConfig, train
@@ -77,7 +78,7 @@ def _ended(root: Path, layout: Layout, phase: str, victim: int, how: signal.Sign
 
 def _intact_at_step_2(root: Path) -> None:
     """The save of step 4 never completed: step 2's checkpoint is the latest, and every byte of it verifies."""
-    assert [p.name for p in checkpoint.complete(root)] == ["step-00000002"]
+    assert [p.name for p in folders.complete(root)] == ["step-00000002"]
     assert checkpoint.choose(root, checksums=True).path == root / "step-00000002"
 
 

@@ -19,6 +19,7 @@ from support.faults import arm
 from support.multiproc import run_ranks
 
 from stagewise import checkpoint
+from stagewise.checkpoint import folders
 from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.job_identity import SHARED_RUN_ID
@@ -137,7 +138,7 @@ def test_a_restarted_job_never_continues_another_jobs_checkpoints(tmp_path: Path
     assert not still_open  # the job's groups are released (NCCL warned at exit of one left open)
     with pytest.raises(LaunchError, match=r"already holds checkpoints \(the latest step-00000002\), from an earlier"):
         run_ranks(fresh, 1, str(tmp_path), timeout=150, max_restarts=1, run_id="none")
-    assert [p.name for p in checkpoint.complete(tmp_path)] == ["step-00000002"]
+    assert [p.name for p in folders.complete(tmp_path)] == ["step-00000002"]
 
 
 def test_a_restart_trusts_a_unique_job_id_and_a_shared_one_only_with_its_jobs_token(

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from stagewise.schedule import BUILDERS, Kind, ScheduleName, SimulationResult, StageCosts, build, simulate, validate
+from stagewise.schedule import Kind, ScheduleName, SimulationResult, StageCosts, build, simulate, validate
+from stagewise.schedule.builders import BUILDERS
 
 ranks = st.integers(1, 8)
 microbatches = st.integers(1, 32)
