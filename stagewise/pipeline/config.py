@@ -101,7 +101,7 @@ class WeightGradientFusion:
 
     Each backward either adds its weight gradients into ``.grad`` itself
     (fused: one GEMM per micro-batch that writes into ``.grad``), or leaves
-    them to a :class:`WeightGradientStore` so that ``pool`` backwards' are
+    them to a ``WeightGradientStore`` (:mod:`stagewise.pipeline.backward.fusion`) so that ``pool`` backwards' are
     summed by one GEMM per weight (pooled). Weights below the size thresholds
     are left to autograd.
     """
@@ -157,8 +157,8 @@ class WeightGradientFusion:
     @classmethod
     def off(cls) -> WeightGradientFusion:
         """No fusion: autograd accumulates every weight gradient, and hooks on a parameter's gradient accumulator
-        see every backward."""
-        return cls(enabled=False)
+        see every backward; nothing is pooled (``pool=1``, as :func:`stagewise.schedule.holdings` counts it)."""
+        return cls(enabled=False, pool=1)
 
     def threshold(self, *, pooled: bool) -> int:
         """The smallest weight to fuse, with or without pooling."""

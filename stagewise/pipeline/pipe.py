@@ -118,7 +118,7 @@ class Pipeline(HeldStages):
         self.loss_fn = loss_fn
         self.options = options
         """The rarer knobs this pipeline was built with: the one place each is read from (see :meth:`tracing`)."""
-        self.mesh = mesh if mesh is not None else init_mesh(self.schedule.n_ranks)
+        self.mesh = mesh if mesh is not None else init_mesh(self.schedule.n_ranks, None)
         """The process mesh: this rank's place, its device, and the one timeout of every wait."""
         self._own_mesh = mesh is None
         try:

@@ -181,7 +181,8 @@ def holdings(
     """Per stage: the moments that can be its fullest, in micro-batches in flight and pooled (``MemoryModel.holdings``).
 
     ``fusion`` is what ``Pipeline`` was given as ``fuse_weight_gradients``,
-    with the same default; None, autograd's accumulation, pools nothing.
+    with the same default; None, autograd's accumulation (as
+    ``WeightGradientFusion.off()``, whose pool is 1), pools nothing.
     Where a rank pools nothing each of its stages has one moment, its peak in
     flight. A rank that splits its backwards (zero-bubble) holds a
     micro-batch from F to W and its output gradients from I to W: there

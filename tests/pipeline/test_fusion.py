@@ -254,6 +254,7 @@ def test_holdings_follow_the_chosen_pool() -> None:
     # Without fusion (PipelineOptions(fuse_weight_gradients=WeightGradientFusion.off())) autograd accumulates:
     # GPipe too holds only its forwards.
     assert holdings(build("gpipe", 2, 4), None) == ((Holding(4),),) * 2
+    assert holdings(build("gpipe", 2, 4), WeightGradientFusion.off()) == ((Holding(4),),) * 2
     assert holdings(schedule, WeightGradientFusion(pool=3)) == tuple(_moments(schedule.ranks[r], 3, r) for r in (0, 1))
     gpipe = holdings(build("gpipe", 2, 4), WeightGradientFusion(pool=None))
     assert gpipe == ((Holding(0, 4), Holding(1, 3), Holding(2, 2), Holding(3, 1), Holding(4, 0)),) * 2

@@ -23,7 +23,7 @@ def test_render_writes_a_picture(tmp_path: Path, suffix: str) -> None:
 
 
 def test_render_draws_one_ranks_executed_events_and_instant_actions(tmp_path: Path) -> None:
-    # A rank's own events (Pipeline.last_result.events) hold one rank of several stages: each stage shades by its
+    # A rank's own events (a StepResult's events) hold one rank of several stages: each stage shades by its
     # place among that rank's stages, not by a rank count read off the events (which gave a negative alpha).
     interleaved = simulate(build("interleaved-1f1b", 16, 4, n_virtual=4), StageCosts.of(16)).timeline
     rank0 = [e for e in interleaved if e.rank == 0]
