@@ -15,6 +15,11 @@ class StagewiseError(Exception):
     """The root of every exception stagewise defines."""
 
 
+class JobFailureError(StagewiseError, RuntimeError):
+    """A job whose processes failed, told in one line (the launcher's report, or a command's summary of it): what
+    the command line ends with exit status 1."""
+
+
 def is_whole(value: object) -> bool:
     """Whether ``value`` is a whole number: an int (numpy's too), not a bool (which Python counts as an int)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

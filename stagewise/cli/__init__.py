@@ -4,16 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from stagewise.cli import nodes, partition, plan, schedule, tokenize, train
 from stagewise.cli.args import DefaultsFormatter
-from stagewise.comm import LaunchError
-from stagewise.run.launching import JobFailedError
-from stagewise.run.rank import LOG_FORMAT
+from stagewise.cli.commands import COMMANDS
+from stagewise.errors import JobFailureError
+from stagewise.run.logs import LOG_FORMAT
 
 
 class _WithDefaults(argparse.ArgumentParser):
@@ -24,7 +24,9 @@ class _WithDefaults(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every command's flags, or with ``only`` the flags of that command alone (the
+    others are named with their help, their modules not imported)."""
     top = argparse.ArgumentParser(
         prog="stagewise",
         description="The command line of stagewise: train runs the main job, plan picks its layout, partition and "
@@ -32,28 +34,31 @@ def parser() -> argparse.ArgumentParser:
     )
     top.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     commands = top.add_subparsers(dest="command", required=True, parser_class=_WithDefaults)
-    train.add(commands)
-    plan.add(commands)
-    partition.add(commands)
-    schedule.add(commands)
-    tokenize.add(commands)
-    nodes.add(commands)
+    for name, command in COMMANDS.items():
+        if only is None or only == name:
+            importlib.import_module(command.module).add(commands)
+        else:
+            commands.add_parser(name, help=command.help)
     return top
 
 
+def _chosen(argv: Sequence[str]) -> str:
+    """The command ``argv`` names: its first word that is no option (the top level's options take no value)."""
+    return next((word for word in argv if not word.startswith("-")), "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    ns = parser(only=_chosen(words)).parse_args(words)
     logging.basicConfig(level=logging.DEBUG if ns.verbose else logging.WARNING, format=LOG_FORMAT)
-    run = {
-        "train": train.run, "plan": plan.run, "partition": partition.run, "schedule": schedule.run,
-        "tokenize": tokenize.run, "nodes": nodes.run,
-    }[ns.command]  # fmt: skip
+    run = importlib.import_module(COMMANDS[ns.command].module).run
+
     try:
-        return run(ns)
+        return int(run(ns))
     except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"stagewise {ns.command}: error: {err}", file=sys.stderr)
         return 2
-    except (LaunchError, JobFailedError) as err:
+    except JobFailureError as err:
         print(f"stagewise {ns.command}: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # before the processes started, or a second Ctrl-C: no traceback

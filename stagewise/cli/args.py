@@ -1,4 +1,7 @@
-"""Argument types and checks shared by the commands: sizes, number lists, counts, devices, per-stage values."""
+"""Argument types and checks shared by the commands: sizes, number lists, counts, devices, per-stage values.
+
+It imports no torch (each check that needs it imports it when it runs), so that a command's help is quick.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +9,6 @@ import argparse
 import itertools
 from typing import Literal
 
-import torch
-
-from stagewise.models import PRESETS, GPTConfig
 from stagewise.units import parse_bytes
 
 
@@ -99,6 +99,8 @@ def pool(text: str) -> int | Literal["free"]:
 
 def device(text: str) -> str:
     """A torch device this machine has (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    import torch
+
     try:
         parsed = torch.device(text)
     except RuntimeError as err:
@@ -112,6 +114,8 @@ def device(text: str) -> str:
 
 def check_seq_len(seq_len: int | None, model: str) -> None:
     """Refuse ``--seq-len`` for a preset that reads no sequences (every preset but the GPT ones)."""
+    from stagewise.models import PRESETS, GPTConfig
+
     if seq_len is not None and not isinstance(PRESETS[model], GPTConfig):
         raise ValueError(f"--seq-len applies to the GPT presets; {model} takes no sequence: leave it out")
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from stagewise.cli import args, train
+from stagewise.cli.commands import COMMANDS
 from stagewise.run.node_launch import node_launch
 
 USAGE = "stagewise nodes --nnodes 2 --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID train --model ... --pp ... --dp ..."
@@ -16,7 +17,7 @@ USAGE = "stagewise nodes --nnodes 2 --rdzv-endpoint HOST:PORT --rdzv-id JOB_ID t
 def add(commands: Any) -> None:
     p = commands.add_parser(
         "nodes",
-        help="print the torchrun command each node runs for a train job on several nodes",
+        help=COMMANDS["nodes"].help,
         description="Print the torchrun command that each node runs for a train job on several nodes (the same "
         "command on every node; torchrun's c10d rendezvous numbers the nodes). The train flags are checked as "
         "train checks them, and the job's processes (--pp x --dp x --fsdp x --tp) are spread evenly over the "

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from stagewise.cli import args
+from stagewise.cli.commands import COMMANDS
 from stagewise.models import PRESETS
 from stagewise.partition import By, MemorySetting, balance_costs, layers_of, profile, shared_parameters
 from stagewise.schedule import ScheduleName, build, holdings
@@ -20,7 +21,7 @@ _ONE_STAGE_PER_RANK = [name for name in get_args(ScheduleName) if not BUILDERS[n
 def add(commands: Any) -> None:
     part = commands.add_parser(
         "partition",
-        help="profile a model and print its optimal split into pipeline stages",
+        help=COMMANDS["partition"].help,
         description="Profile a model layer by layer (on the meta device unless --by time) and print "
         "the split into stages that minimises the slowest stage, within each device's memory.",
     )

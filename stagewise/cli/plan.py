@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from stagewise.cli import args
+from stagewise.cli.commands import COMMANDS
 from stagewise.comm import Payload
 from stagewise.models import GPT, PRESETS, gpt_parallel
 from stagewise.partition import layers_of
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 def add(commands: Any) -> None:
     p = commands.add_parser(
         "plan",
-        help="choose pp x dp, micro-batches, schedule and checkpointing; predict step time and memory",
+        help=COMMANDS["plan"].help,
         description="Build the model on the meta device, cost every layer (FLOPs and bytes, or measured "
         "times with --profile), and search every layout: the exact partition under the devices' memory, the "
         "simulated step time and each rank's peak memory. Prints the best plans and why others were rejected.",

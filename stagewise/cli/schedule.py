@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from stagewise.cli import args
+from stagewise.cli.commands import COMMANDS
 from stagewise.schedule import Schedule, ScheduleName, StageCosts, render, simulate, synthesise, to_chrome_trace
 from stagewise.schedule import build as build_schedule
 
@@ -17,7 +18,7 @@ AUTO = "auto"
 def add(commands: Any) -> None:
     sched = commands.add_parser(
         "schedule",
-        help="validate, simulate and draw a pipeline schedule",
+        help=COMMANDS["schedule"].help,
         description="Build a schedule (or read one from a file, or synthesise one for the given per-stage costs "
         "with 'auto'), check it, simulate one step with those costs, and print its step time, bubble and peak "
         "micro-batches in flight.",

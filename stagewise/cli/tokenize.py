@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from stagewise.cli import args
+from stagewise.cli.commands import COMMANDS
 from stagewise.run.documents import Fields, files
 from stagewise.run.token_file import write_token_file
 from stagewise.run.tokenizer import BYTES, load_tokenizer
@@ -17,7 +18,7 @@ from stagewise.run.tokenizer import BYTES, load_tokenizer
 def add(commands: Any) -> None:
     p = commands.add_parser(
         "tokenize",
-        help="tokenize a corpus into a token file for train --data",
+        help=COMMANDS["tokenize"].help,
         description="Tokenize text files or folders, JSON lines (a field), Parquet or CSV (a column), or a folder "
         "Hugging Face datasets saved with save_to_disk (a column; a DatasetDict's train split) into a token file: "
         "each document's ids and an end-of-text token, uint16 or uint32 by vocabulary size, with the bounds of "

@@ -16,6 +16,7 @@ from typing import Any, get_args
 import torch
 
 from stagewise.cli import args
+from stagewise.cli.commands import COMMANDS
 from stagewise.cli.progress import Progress
 from stagewise.cli.run_report import report
 from stagewise.models import PRESETS
@@ -48,7 +49,7 @@ processes start."""
 def add(commands: Any) -> None:
     p = commands.add_parser(
         "train",
-        help="train a model with a pipeline (the main job)",
+        help=COMMANDS["train"].help,
         description="Train a model (a preset, or your own) split into pipeline stages. Without torchrun it starts "
         "pp x dp x fsdp x tp local processes itself (gloo on the CPU, NCCL when there is a GPU per process); "
         "under torchrun each process is one rank, so several nodes are plain torchrun. Every setting is also a key "

@@ -14,7 +14,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, get_error_handler
 
 from stagewise.comm.layout import Layout
-from stagewise.errors import StagewiseError
+from stagewise.errors import JobFailureError
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class RankFailure:
         return f"{code}: {self.message}"
 
 
-class LaunchError(StagewiseError, RuntimeError):
+class LaunchError(JobFailureError):
     """A launched job failed; ``failures`` lists every failed rank, the first to fail first."""
 
     def __init__(self, failures: Sequence[RankFailure]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from stagewise import checkpoint
 from stagewise.comm import LaunchError, launch
-from stagewise.errors import StagewiseError
+from stagewise.errors import JobFailureError
 from stagewise.run.config import TrainConfig
 from stagewise.run.loop import Summary, preflight
 from stagewise.run.rank import Reporter, run_rank
@@ -40,7 +40,7 @@ class LocalLaunch:
     """Give each local process its own share of the CPUs."""
 
 
-class JobFailedError(StagewiseError, RuntimeError):
+class JobFailedError(JobFailureError):
     """A job whose processes failed, told in one line (the whole report is in the log it names)."""
 
 

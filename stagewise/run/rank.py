@@ -12,11 +12,9 @@ import torch
 
 from stagewise.pipeline import Pipeline
 from stagewise.run.config import TrainConfig
+from stagewise.run.logs import LOG_FORMAT
 from stagewise.run.loop import Summary, train
 from stagewise.run.stopping import StopSignals
-
-LOG_FORMAT = "%(name)s: %(message)s"
-"""How the commands, and the processes ``train`` launches, log."""
 
 
 class Reporter(Protocol):
