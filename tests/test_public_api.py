@@ -88,3 +88,19 @@ def test_the_api_reference_shows_exactly_the_public_names(package: str, site: Pa
     shown = set(re.findall(rf'id="stagewise\.{package}\.(\w+)"', html))
     shown |= {a for a, b in re.findall(rf'id="stagewise\.{package}\.(\w+)\.(\w+)"', html) if a == b}
     assert shown == set(PUBLIC[package]) | DOCUMENTED_MODULES.get(package, set())
+
+
+def test_no_public_name_is_taken_by_a_module_of_the_same_name() -> None:
+    # A package that loads its names lazily would hand out its submodule `balance` for the function `balance`
+    # once that submodule is imported: with every module imported, each name is still the function or class.
+    import pkgutil
+
+    import stagewise
+
+    for info in pkgutil.walk_packages(stagewise.__path__, "stagewise."):
+        if info.name != "stagewise.__main__":
+            importlib.import_module(info.name)
+    for package, names in PUBLIC.items():
+        module = importlib.import_module(f"stagewise.{package}")
+        for name in names:
+            assert not inspect.ismodule(getattr(module, name)), f"stagewise.{package}.{name} is a module"

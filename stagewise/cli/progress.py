@@ -4,10 +4,11 @@ in a log file."""
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stagewise.pipeline import Pipeline
-from stagewise.run import TrainConfig
+if TYPE_CHECKING:
+    from stagewise.pipeline import Pipeline
+    from stagewise.run import TrainConfig
 
 
 class Progress:

@@ -13,20 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any, get_args
 
-import torch
-
 from stagewise.cli import args
 from stagewise.cli.commands import COMMANDS
-from stagewise.cli.progress import Progress
-from stagewise.cli.run_report import report
 from stagewise.models import PRESETS
-from stagewise.pipeline import NonFinite
-from stagewise.run import Optimizer, TrainConfig
-from stagewise.run.data import needs_tokenizing, prepared, tokenizer_of
-from stagewise.run.documents import files
-from stagewise.run.job import config_text, resolved
-from stagewise.run.launching import LocalLaunch, checked_before_start, crowding, launched, under_torchrun
-from stagewise.run.rank import run_rank
+from stagewise.pipeline.config import NonFinite
+from stagewise.run.config import Optimizer, TrainConfig
 from stagewise.run.runs import (
     IN_RUN_FOLDER,
     LATEST,
@@ -225,6 +216,8 @@ def _checkpoints_and_logging(p: argparse.ArgumentParser) -> None:
 def config_of(ns: argparse.Namespace) -> TrainConfig:
     """The TrainConfig that ``stagewise train``'s parsed arguments ask for: the defaults, its job file, its plan,
     then its flags (see :func:`~stagewise.run.job.resolved`); paths in the run's folder are still ``RUN/...``."""
+    from stagewise.run.job import resolved
+
     given = {k: v for k, v in vars(ns).items() if k not in COMMAND_ONLY}
     if "data_limit" in given:
         given["data_limit"] = math.ceil(given["data_limit"])
@@ -248,6 +241,9 @@ def _say_where_nodes_meet() -> None:
 
 def _tokenized(config: TrainConfig) -> TrainConfig:
     """``config`` with its data tokenized where it must be (:func:`~stagewise.run.data.prepared`), with a bar."""
+    from stagewise.run.data import needs_tokenizing, prepared, tokenizer_of
+    from stagewise.run.documents import files
+
     if not needs_tokenizing(config) or config.data is None:
         return prepared(config, ROOT / TOKENS)  # checks the tokenizer against the model
     from tqdm import tqdm
@@ -259,6 +255,14 @@ def _tokenized(config: TrainConfig) -> TrainConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
+    import torch
+
+    from stagewise.cli.progress import Progress
+    from stagewise.cli.run_report import report
+    from stagewise.run.job import config_text
+    from stagewise.run.launching import LocalLaunch, checked_before_start, crowding, launched, under_torchrun
+    from stagewise.run.rank import run_rank
+
     config = config_of(ns)
     if ns.print_config:
         print(config_text(config), end="")

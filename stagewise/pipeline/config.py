@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from stagewise.comm import Payload
 from stagewise.errors import is_whole, whole_number
 from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 LossFn = Callable[[Payload, Payload], torch.Tensor]
 """``loss_fn(output, target)`` for one micro-batch: a scalar tensor."""
@@ -33,7 +35,7 @@ Initialiser = Callable[[nn.Module], None]
 a Hugging Face model's ``_init_weights`` does; it is called for every module to initialise, children first, under
 a generator seeded from ``(seed, layer)``."""
 
-TensorParallelPlan = Callable[[str, nn.Module, int], Mapping[str, ParallelStyle] | ParallelStyle | None]
+TensorParallelPlan = Callable[[str, nn.Module, int], "Mapping[str, ParallelStyle] | ParallelStyle | None"]
 """``plan(name, module, tp)``: how to split the layer ``name`` (as :func:`~stagewise.partition.layers_of` names
 it: ``blocks.3``) over ``tp`` ranks, as ``parallelize_module`` takes it: a style for the layer's ``module``
 itself, or submodule names relative to it mapped to styles (torch's ``ColwiseParallel``, ``RowwiseParallel``,

@@ -360,11 +360,11 @@ def test_the_summary_is_strict_json_when_a_step_was_skipped(tmp_path: Path) -> N
 
 def test_more_processes_than_cores_are_named_with_the_numbers() -> None:
     # --dp 8 on 2 cores started 16 processes without a word.
-    assert cli_train.crowding(16, 2) == (
+    assert launching.crowding(16, 2) == (
         "16 processes share 2 CPU cores, so each step waits for processes that are not running; at most 2 processes "
         "(--pp x --dp x --fsdp x --tp) run at full speed"
     )
-    assert cli_train.crowding(2, 2) is None
+    assert launching.crowding(2, 2) is None
 
 
 def test_help_shows_the_defaults_and_no_markup(capsys: pytest.CaptureFixture[str]) -> None:
