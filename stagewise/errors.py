@@ -9,6 +9,7 @@ every layer (the schedule layer, which imports no torch, too) may use it.
 from __future__ import annotations
 
 import numbers
+from typing import TypeGuard
 
 
 class StagewiseError(Exception):
@@ -20,7 +21,7 @@ class JobFailureError(StagewiseError, RuntimeError):
     the command line ends with exit status 1."""
 
 
-def is_whole(value: object) -> bool:
+def is_whole(value: object) -> TypeGuard[int]:
     """Whether ``value`` is a whole number: an int (numpy's too), not a bool (which Python counts as an int)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -30,7 +31,7 @@ def whole_number(name: str, value: object, *, least: int | None = None, fix: str
     TypeError for a value of another type, a ValueError for one out of range (``fix`` says how to mend it)."""
     if not is_whole(value):
         raise TypeError(f"{name} must be a whole number, got {value!r}" + (f"; {fix}" if fix else ""))
-    number: int = int(value)  # type: ignore[call-overload]
+    number = int(value)
     if least is not None and number < least:
         raise ValueError(f"{name} must be >= {least}, got {number}" + (f"; {fix}" if fix else ""))
     return number

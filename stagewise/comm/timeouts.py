@@ -19,7 +19,7 @@ def checked_timeout(value: object, *, what: str = "timeout") -> float:
     """
     if not (is_whole(value) or isinstance(value, float)):
         raise TypeError(f"{what} must be a number of seconds, got {value!r} ({type(value).__name__})")
-    seconds = float(value)  # type: ignore[arg-type]  # a whole number or a float
+    seconds = float(value)  # a whole number or a float
     if not 0 < seconds < math.inf:  # also refuses NaN
         raise ValueError(f"{what} must be a positive, finite number of seconds, got {value!r}")
     return seconds

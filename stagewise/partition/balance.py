@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stagewise.errors import StagewiseError
+from stagewise.errors import StagewiseError, is_whole
 from stagewise.partition.memory import MemoryModel
 from stagewise.partition.range_cost import FloatArray, RangeCost
 from stagewise.partition.shared_cost import Tie, check_ties
@@ -269,7 +269,7 @@ def _partition(
 
 def _stage_count(n_stages: object) -> int:
     """``n_stages`` as an int, refused unless it is an integer >= 1."""
-    if isinstance(n_stages, bool) or not isinstance(n_stages, (int, np.integer)):
+    if not is_whole(n_stages):
         raise TypeError(f"n_stages must be an int, got {type(n_stages).__name__}")
     count = int(n_stages)
     if count < 1:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from stagewise.errors import is_whole
 from stagewise.partition.layers import SharedParameter
 from stagewise.partition.profile import LayerCost
 from stagewise.partition.shared_cost import Tie, check_ties
@@ -146,7 +147,7 @@ class MemorySetting:
 def _stages_in_flight(n_stages: int | None, schedule: Schedule | None) -> tuple[int, ...]:
     """Per stage: the micro-batches whose activations it holds at its peak, as ``schedule`` runs them."""
     if schedule is None:
-        if isinstance(n_stages, bool) or not isinstance(n_stages, int):
+        if not is_whole(n_stages):
             raise TypeError(
                 f"memory_model needs n_stages (an int) or schedule=stagewise.schedule.build(...), got n_stages="
                 f"{n_stages!r}"

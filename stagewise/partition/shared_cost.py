@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import bisect
 import math
-import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+from stagewise.errors import is_whole
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def check_ties(field: str, ties: Sequence[Tie], values: Sequence[float]) -> tupl
         if not isinstance(tie, Tie):
             raise TypeError(f"{field}[{k}] must be a stagewise.partition.Tie, got {type(tie).__name__}")
         layers = tie.layers
-        if not layers or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in layers):
+        if not layers or any(not is_whole(i) for i in layers):
             raise ValueError(f"{field}[{k}].layers must be one or more whole layer indices, got {layers!r}")
         if list(layers) != sorted(set(layers)) or layers[0] < 0 or layers[-1] >= n:
             raise ValueError(

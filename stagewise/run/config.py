@@ -8,6 +8,7 @@ from typing import Literal
 
 from stagewise.comm.layout import Layout
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
+from stagewise.errors import is_whole
 from stagewise.models import GPTConfig
 from stagewise.pipeline import NonFinite, WeightGradientFusion
 from stagewise.pipeline.stage.materialise import layer_seed
@@ -29,7 +30,7 @@ stride (a million)."""
 
 def check_seed(seed: object, what: str = "seed") -> int:
     """``seed`` if it is a whole number in :data:`SEEDS`; else a one-line ValueError naming ``what``."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in SEEDS:
+    if not is_whole(seed) or seed not in SEEDS:
         raise ValueError(
             f"{what} must be a whole number from {SEEDS.start} to {SEEDS.stop - 1}, got {seed!r}: each layer is "
             f"seeded with seed x {_STRIDE} + its index, which torch.manual_seed takes from -2**63 to 2**64 - 1"
@@ -189,7 +190,7 @@ class TrainConfig:
             "log_every",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_whole(value) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         check_seed(self.seed)
         if self.data_limit is not None and (isinstance(self.data_limit, bool) or not self.data_limit >= 1):

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from stagewise.errors import StagewiseError
+from stagewise.errors import StagewiseError, is_whole
 from stagewise.models import GPTConfig
 from stagewise.plan.plan_file import read_plan
 from stagewise.run.config import TrainConfig
@@ -166,7 +166,7 @@ def _as(kind: Any, value: Any) -> Any:
     if kind is bool:
         return value if isinstance(value, bool) else _REFUSED
     if kind is int:
-        return value if isinstance(value, int) and not isinstance(value, bool) else _REFUSED
+        return value if is_whole(value) else _REFUSED
     if kind is float:
         return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else _REFUSED
     if kind is str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal, get_args
 
+from stagewise.errors import is_whole
 from stagewise.schedule.actions import Action, Kind, Schedule
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev"]
@@ -331,7 +332,7 @@ def build(name: ScheduleName, n_stages: int, n_microbatches: int, *, n_virtual: 
     if name not in BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {list(get_args(ScheduleName))}")
     for field, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches), ("n_virtual", n_virtual)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_whole(value):
             raise TypeError(f"{field} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{field} must be >= 1, got {value}")
