@@ -26,6 +26,7 @@ from stagewise.run.runs import (
     in_folder,
     keep_config,
     made_folder,
+    under_torchrun,
 )
 from stagewise.schedule import ScheduleName
 
@@ -255,21 +256,25 @@ def _tokenized(config: TrainConfig) -> TrainConfig:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import torch
-
-    from stagewise.cli.progress import Progress
-    from stagewise.cli.run_report import report
     from stagewise.run.job import config_text
-    from stagewise.run.launching import LocalLaunch, checked_before_start, crowding, launched, under_torchrun
-    from stagewise.run.rank import run_rank
 
     config = config_of(ns)
     if ns.print_config:
         print(config_text(config), end="")
         return 0
     torchrun = under_torchrun()
-    local = LocalLaunch(ns.max_restarts, ns.pin_cores)
     chosen = chosen_folder(ns.out, config, torchrun=torchrun)
+    if not torchrun:  # the first line, before the heavier parts load, the data is read and the model costed
+        print(f"stagewise train: {config.model} on {config.world_size} local processes ({config.layout.describe()}), "
+              f"{config.steps} steps", flush=True)  # fmt: skip
+    import torch
+
+    from stagewise.cli.progress import Progress
+    from stagewise.cli.run_report import report
+    from stagewise.run.launching import LocalLaunch, checked_before_start, crowding, launched
+    from stagewise.run.rank import run_rank
+
+    local = LocalLaunch(ns.max_restarts, ns.pin_cores)
     if not torchrun:
         config = _tokenized(config)
     checked_before_start(in_folder(config, chosen or ROOT / "new"), local, torchrun=torchrun)
@@ -283,8 +288,7 @@ def run(ns: argparse.Namespace) -> int:
         if int(os.environ.get("RANK", "0")) != 0:
             return 0
     else:
-        print(f"stagewise train: {config.world_size} local processes ({config.layout.describe()}), run folder {out}",
-              flush=True)  # fmt: skip
+        print(f"stagewise train: run folder {out}", flush=True)
         crowded = crowding(config.world_size)
         if crowded is not None and not torch.cuda.is_available():
             print(f"stagewise train: warning: {crowded}", file=sys.stderr, flush=True)

@@ -44,11 +44,6 @@ class JobFailedError(JobFailureError):
     """A job whose processes failed, told in one line (the whole report is in the log it names)."""
 
 
-def under_torchrun() -> bool:
-    """Whether this process is a rank torchrun started (rather than the one that starts the ranks)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
-
-
 def checked_before_start(config: TrainConfig, local: LocalLaunch, *, torchrun: bool) -> None:
     """Refuse here what the ranks would refuse: the launch settings, and without torchrun the run's own
     (:func:`~stagewise.run.loop.preflight`), its resume, and a fresh run into a folder of checkpoints."""

@@ -82,6 +82,12 @@ def writable(what: str, folder: Path) -> None:
         raise ValueError(f"{what}: cannot make the folder {folder} ({err.strerror}); choose a writable one") from err
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a rank torchrun started (rather than the one that starts the ranks): its run folder
+    is the root, which every rank names alike."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
 def chosen_folder(out: Path | None, config: TrainConfig, *, torchrun: bool, root: Path = ROOT) -> Path | None:
     """The run's folder when the command names one: ``out``, the latest run for a resume whose checkpoints are in
     its folder, or under torchrun the root (every rank must name the same folder); None: a new one, made once
