@@ -20,12 +20,12 @@ from support.multiproc import run_ranks
 
 from stagewise import checkpoint
 from stagewise.checkpoint import folders
-from stagewise.cli.train import run_rank
 from stagewise.comm import LaunchError, Layout
 from stagewise.comm.job_identity import SHARED_RUN_ID
 from stagewise.comm.launch_options import child_environment
 from stagewise.pipeline import Pipeline
 from stagewise.run import Summary, TrainConfig, folder, train
+from stagewise.run.rank import run_rank
 from stagewise.run.resume import cannot_tell, owns
 
 BASE = TrainConfig(
