@@ -31,9 +31,9 @@ PUBLIC: dict[str, list[str]] = {
     "pipeline": [
         "Batch", "BatchNormStatistics", "Compute", "DataParallel", "Diagnostics", "FullySharded", "Initialiser",
         "LoaderOptions", "Loss", "LossFn", "LossReduction", "NonFinite", "NonFiniteLossError", "Pipeline",
-        "PipelineOptions", "PretrainedError", "StageError", "StageLoader", "TensorParallelPlan",
-        "WeightGradientFusion", "from_torch", "load_pretrained", "materialise_model", "to_torch", "torch_pipe",
-        "torch_runtime", "torch_stages",
+        "PipelineOptions", "PretrainedError", "SelectiveCheckpointing", "StageError", "StageLoader",
+        "TensorParallelPlan", "WeightGradientFusion", "from_torch", "load_pretrained", "materialise_model",
+        "to_torch", "torch_pipe", "torch_runtime", "torch_stages",
     ],
     "checkpoint": [
         "CheckpointError", "Checkpointer", "Choice", "ExportFormat", "Progress", "Refused", "choose", "export",

@@ -147,7 +147,10 @@ def _optimizer_and_compute(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--clip", type=float, help=f"gradient norm clip, 0: off (default {d.clip})")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast in the forward")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument(
+        "--activation-checkpointing", nargs="?", const=True, choices=[True, "selective"], metavar="selective",
+        help="recompute every layer's activations in backward; 'selective': all but the matmuls' outputs",
+    )  # fmt: skip
     p.add_argument(
         "--compile", action="store_true",
         help="compile each layer with torch.compile (inductor; the first step compiles, for seconds to minutes)",

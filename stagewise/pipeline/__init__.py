@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         LossReduction,
         NonFinite,
         PipelineOptions,
+        SelectiveCheckpointing,
         TensorParallelPlan,
         WeightGradientFusion,
     )
@@ -49,6 +50,7 @@ _HOMES = {
     "LossReduction": "stagewise.pipeline.config",
     "NonFinite": "stagewise.pipeline.config",
     "PipelineOptions": "stagewise.pipeline.config",
+    "SelectiveCheckpointing": "stagewise.pipeline.config",
     "TensorParallelPlan": "stagewise.pipeline.config",
     "WeightGradientFusion": "stagewise.pipeline.config",
     "torch_pipe": "stagewise.pipeline.interop.torch_pipe",
@@ -85,6 +87,7 @@ __all__ = [
     "Pipeline",
     "PipelineOptions",
     "PretrainedError",
+    "SelectiveCheckpointing",
     "StageError",
     "StageLoader",
     "TensorParallelPlan",

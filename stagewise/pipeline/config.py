@@ -220,6 +220,46 @@ class FullySharded:
                 raise TypeError(f"FullySharded.{name} must be a floating torch.dtype or None, got {value!r}")
 
 
+MATMULS: frozenset[str] = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+        "aten._scaled_dot_product_flash_attention.default",
+        "aten._scaled_dot_product_efficient_attention.default",
+        "aten._scaled_dot_product_cudnn_attention.default",
+    }
+)
+"""The ops whose outputs :class:`SelectiveCheckpointing` keeps by default: matrix multiplications and fused
+attention, the costliest to recompute for the bytes they save."""
+
+
+@dataclass(frozen=True)
+class SelectiveCheckpointing:
+    """Recompute each layer's forward in backward except the outputs of the ops ``keep`` chooses (torch's selective
+    activation checkpointing, ``create_selective_checkpoint_contexts``): by default the matmuls' and attention's
+    outputs are kept and the cheap elementwise ops (norms, activations, additions) recomputed."""
+
+    keep: frozenset[str] | Callable[[Any], bool] = MATMULS
+    """The aten ops whose outputs are saved, by name (``"aten.mm.default"``), or a function of the op (a
+    ``torch._ops.OpOverload``) that says whether to save its output; every other op is recomputed."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.keep) and not (
+            isinstance(self.keep, frozenset) and all(isinstance(name, str) for name in self.keep)
+        ):
+            raise TypeError(
+                f"SelectiveCheckpointing.keep must be a frozenset of op names (such as 'aten.mm.default') or a "
+                f"function of the op, got {self.keep!r}"
+            )
+
+    def saves(self, op: Any) -> bool:
+        """Whether the output of ``op`` is kept rather than recomputed."""
+        return bool(self.keep(op)) if callable(self.keep) else str(op) in self.keep
+
+
 @dataclass(frozen=True)
 class Compute:
     """How every stage runs its forward: in which precision, and what it keeps for its backward."""
@@ -227,9 +267,10 @@ class Compute:
     autocast: torch.dtype | None = None
     """Run every stage's forward under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``); None: the
     model's own dtypes."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | SelectiveCheckpointing = False
     """Recompute each layer's forward during backward instead of keeping its activations (less memory, one more
-    forward); not with a split backward (zero-bubble)."""
+    forward); a :class:`SelectiveCheckpointing` keeps the outputs of the ops it names (by default the matmuls) and
+    recomputes the rest. Not with a split backward (zero-bubble)."""
     compile: bool | str = False
     """Compile each layer's forward with ``torch.compile`` (its backward through AOTAutograd): True uses the
     ``"inductor"`` backend, a string names another (``"aot_eager"``, ...). Layers of one class share their graphs,
@@ -242,9 +283,10 @@ class Compute:
             raise TypeError(
                 f"Compute.autocast must be a torch.dtype or None, got {self.autocast!r}; e.g. torch.bfloat16"
             )
-        if not isinstance(self.activation_checkpointing, bool):
+        if not isinstance(self.activation_checkpointing, bool | SelectiveCheckpointing):
             raise TypeError(
-                f"Compute.activation_checkpointing must be True or False, got {self.activation_checkpointing!r}"
+                f"Compute.activation_checkpointing must be True, False or a SelectiveCheckpointing, got "
+                f"{self.activation_checkpointing!r}"
             )
         if not isinstance(self.compile, bool | str) or self.compile == "":
             raise TypeError(

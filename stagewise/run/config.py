@@ -83,8 +83,9 @@ class TrainConfig:
     """Clip the gradients' global norm to this; 0 turns clipping off."""
     bf16: bool = False
     """Run forwards under bfloat16 autocast."""
-    activation_checkpointing: bool = False
-    """Recompute activations in backward instead of keeping them."""
+    activation_checkpointing: bool | Literal["selective"] = False
+    """Recompute activations in backward instead of keeping them: True every layer's whole forward, "selective"
+    all but the matmuls' and attention's outputs (:class:`~stagewise.pipeline.SelectiveCheckpointing`)."""
     compile: bool = False
     """Compile each layer with ``torch.compile`` (inductor; see :attr:`stagewise.pipeline.Compute.compile`)."""
     weight_gradient_fusion: bool = True

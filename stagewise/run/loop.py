@@ -30,6 +30,7 @@ from stagewise.pipeline import (
     Loss,
     Pipeline,
     PipelineOptions,
+    SelectiveCheckpointing,
     StageLoader,
     WeightGradientFusion,
     load_pretrained,
@@ -265,7 +266,11 @@ def pipeline_options(config: TrainConfig) -> PipelineOptions:
         loss=Loss(reduction=goal.reduction, ignore_index=goal.ignore_index, nonfinite=config.nonfinite),
         compute=Compute(
             autocast=torch.bfloat16 if config.bf16 else None,
-            activation_checkpointing=config.activation_checkpointing,
+            activation_checkpointing=(
+                SelectiveCheckpointing()
+                if config.activation_checkpointing == "selective"
+                else config.activation_checkpointing is True
+            ),
             compile=config.compile,
         ),
         fuse_weight_gradients=fusion,

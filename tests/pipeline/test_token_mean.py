@@ -15,7 +15,7 @@ from support.multiproc import run_ranks
 from stagewise.comm import init_mesh
 from stagewise.models import GPT, GPTConfig, preset
 from stagewise.partition import Partition
-from stagewise.pipeline import Loss, Pipeline, PipelineOptions, materialise_model
+from stagewise.pipeline import Compute, Loss, Pipeline, PipelineOptions, SelectiveCheckpointing, materialise_model
 from stagewise.pipeline.loss.microbatch import split
 from stagewise.pipeline.loss.tokens import check_tokens, per_token, valid_tokens
 from stagewise.run.objective import objective
@@ -39,6 +39,8 @@ class TokenCase:
     tuple_targets: bool = False
     """Pass the targets as (token ids, a float tensor): the first one is counted."""
     seed: int = 0
+    checkpointing: bool | SelectiveCheckpointing = False
+    """The stages' activation checkpointing: none, whole layers, or selective (the matmuls' outputs kept)."""
     form: Literal["shifted", "labels", "packed"] = "shifted"
     """The targets are each position's next token ("shifted"); Hugging Face's labels, the inputs themselves,
     which the loss shifts (``shift_labels``); or "shifted" on packed documents: the inputs are (ids, each
@@ -150,7 +152,11 @@ def train_tokens(cases: list[TokenCase], pp: int, dp: int) -> dict[str, Any]:
     results: dict[str, Any] = {"cases": []}
     for case in cases:
         labels = case.form == "labels"
-        options = PipelineOptions(seed=SEED, loss=Loss(reduction="tokens", ignore_index=IGNORE, shift_labels=labels))
+        options = PipelineOptions(
+            seed=SEED,
+            loss=Loss(reduction="tokens", ignore_index=IGNORE, shift_labels=labels),
+            compute=Compute(activation_checkpointing=case.checkpointing),
+        )
         pipe = Pipeline(
             GPT(CONFIG, device="meta"), Partition.from_bounds(BOUNDS), schedule=case.schedule,  # type: ignore[arg-type]
             n_microbatches=M, loss_fn=summed_label_loss if labels else summed_loss, mesh=mesh, options=options,
@@ -217,7 +223,7 @@ def test_token_mean_on_two_stages_equals_the_unsplit_model() -> None:
     and packed documents."""
     cases = [
         TokenCase("1f1b", (7,), form="labels", seed=6),
-        TokenCase("1f1b", (7,), form="packed", seed=7),
+        TokenCase("1f1b", (7,), form="packed", seed=7, checkpointing=SelectiveCheckpointing()),
         TokenCase("1f1b", (7,)),
         TokenCase("zero-bubble", (7,), tuple_targets=True, seed=1),
     ]
@@ -227,7 +233,10 @@ def test_token_mean_on_two_stages_equals_the_unsplit_model() -> None:
 def test_token_mean_on_two_stages_by_two_replicas_equals_the_unsplit_model() -> None:
     """pp=2 dp=2: replicas of 7 and 7 samples, and of 7 and 5 (sizes a token mean allows to differ), the second
     as Hugging Face's labels."""
-    cases = [TokenCase("1f1b", (7, 7), seed=2), TokenCase("gpipe", (7, 5), seed=3, form="labels")]
+    cases = [
+        TokenCase("1f1b", (7, 7), seed=2, checkpointing=SelectiveCheckpointing()),
+        TokenCase("gpipe", (7, 5), seed=3, form="labels", checkpointing=True),
+    ]
     check(run_ranks(train_tokens, 4, cases, 2, 2, timeout=150), cases)
 
 

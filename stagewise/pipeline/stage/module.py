@@ -6,12 +6,13 @@ import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from stagewise.comm import as_tensors
 from stagewise.errors import StagewiseError
@@ -21,7 +22,7 @@ from stagewise.partition.segment import Segment
 from stagewise.pipeline.backward.fusion import FusedWeightGradients
 from stagewise.pipeline.backward.plan import BackwardPlan
 from stagewise.pipeline.backward.split import ParameterUses, WeightUse, stop_for_weight_gradients, unseen_reads
-from stagewise.pipeline.config import Compute, WeightGradientFusion
+from stagewise.pipeline.config import Compute, SelectiveCheckpointing, WeightGradientFusion
 from stagewise.pipeline.stage.batch_norm import StageNorms
 from stagewise.pipeline.stage.compiled import CompiledGraphs, compile_layers
 from stagewise.pipeline.stage.materialise import Materialising, materialise
@@ -66,9 +67,28 @@ def _statistics_frozen(layer: nn.Module) -> Iterator[None]:
             buffer.data.copy_(value)
 
 
-def _recompute_contexts(layer: nn.Module) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-    """``checkpoint``'s ``context_fn``: the forward as it is, the recomputation with statistics frozen."""
-    return nullcontext(), _statistics_frozen(layer)
+def _recompute_contexts(
+    layer: nn.Module, selective: SelectiveCheckpointing | None
+) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    """``checkpoint``'s ``context_fn``: the forward as it is, the recomputation with statistics frozen; with
+    ``selective``, the forward keeps the outputs of the ops it saves, and the recomputation reuses them."""
+    if selective is None:
+        return nullcontext(), _statistics_frozen(layer)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if selective.saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
+    return forward, _within(recompute, _statistics_frozen(layer))
+
+
+@contextmanager
+def _within(*managers: AbstractContextManager[Any]) -> Iterator[None]:
+    """Every one of ``managers``, the first outermost."""
+    with ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 class StageModule(nn.Module):
@@ -83,7 +103,7 @@ class StageModule(nn.Module):
         first: int,
         layers: Sequence[Layer],
         *,
-        checkpointing: bool = False,
+        checkpointing: bool | SelectiveCheckpointing = False,
         autocast: torch.dtype | None = None,
         device_type: str = "cpu",
         fusion: WeightGradientFusion | None = None,
@@ -98,6 +118,8 @@ class StageModule(nn.Module):
         self._qualify = [layer.qualify for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
         self.checkpointing = checkpointing
+        self.selective = checkpointing if isinstance(checkpointing, SelectiveCheckpointing) else None
+        """What a selective checkpointing keeps; None: every activation is recomputed (or none, without it)."""
         self.autocast = autocast
         """Run the layers under ``torch.autocast`` with this dtype; None runs them as they are."""
         self.device_type = device_type
@@ -211,7 +233,10 @@ class StageModule(nn.Module):
                     call = calls[isinstance(layer, Segment)]
                     if self.checkpointing and torch.is_grad_enabled():
                         # The recomputation must record what the forward recorded: the modes go inside.
-                        recompute = functools.partial(_recompute_contexts, layer)
+                        selective = (
+                            self.checkpointing if isinstance(self.checkpointing, SelectiveCheckpointing) else None
+                        )
+                        recompute = functools.partial(_recompute_contexts, layer, selective)
                         x = checkpoint(call, layer, x, use_reentrant=False, context_fn=recompute)
                     else:
                         x = call(layer, x)

@@ -1,0 +1,75 @@
+"""Selective activation checkpointing: a layer's backward recomputes the ops it did not keep, and only those."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from stagewise.models import GPTConfig
+from stagewise.pipeline import Compute, SelectiveCheckpointing
+from stagewise.pipeline.stage.module import _recompute_contexts
+
+MM = "aten.addmm.default"
+"""A linear with a bias: its forward matmul (the backward's are plain mm)."""
+
+
+class _Counted(TorchDispatchMode):
+    """Counts the aten ops run within it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(keep: bool | SelectiveCheckpointing) -> tuple[Counter[str], torch.Tensor]:
+    """The ops one GPT block's backward runs (its recomputation included), and its input's gradient."""
+    torch.manual_seed(0)
+    block = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_layers=1, n_heads=2).build().blocks[0]
+    x = torch.randn(2, 8, 16, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    if keep is False:
+        out = block(x)
+    else:
+        selective = keep if isinstance(keep, SelectiveCheckpointing) else None
+        contexts = functools.partial(_recompute_contexts, block, selective)
+        out = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+    counted = _Counted()
+    with counted:
+        out.square().sum().backward()
+    assert x.grad is not None
+    return counted.ops, x.grad
+
+
+def test_selective_checkpointing_recomputes_the_rest_but_not_the_matmuls() -> None:
+    kept, kept_grad = _backward_ops(False)
+    whole, whole_grad = _backward_ops(True)
+    selective, selective_grad = _backward_ops(SelectiveCheckpointing())
+    torch.testing.assert_close(selective_grad, kept_grad, atol=0, rtol=0)
+    torch.testing.assert_close(whole_grad, kept_grad, atol=0, rtol=0)
+    # Whole-layer checkpointing runs the linears' forward matmuls again (three of four: the recomputation stops
+    # once it has what the backward needs), selective checkpointing none of them.
+    assert whole[MM] - kept[MM] == 3 and selective[MM] == kept[MM] == 0
+    # The elementwise ops are recomputed: the GELU's forward runs again in the backward of both.
+    assert kept["aten.gelu.default"] == 0 and whole["aten.gelu.default"] == selective["aten.gelu.default"] == 1
+
+
+def test_a_policy_of_ones_own_chooses_what_is_kept() -> None:
+    everything, _ = _backward_ops(SelectiveCheckpointing(keep=lambda op: True))
+    kept, _ = _backward_ops(False)
+    assert everything[MM] == kept[MM] and everything["aten.gelu.default"] == 0  # nothing recomputed
+
+
+def test_a_bad_policy_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"^SelectiveCheckpointing.keep must be a frozenset of op names"):
+        SelectiveCheckpointing(keep={"aten.mm.default"})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^Compute.activation_checkpointing must be True, False or a Selective"):
+        Compute(activation_checkpointing="selective")  # type: ignore[arg-type]
