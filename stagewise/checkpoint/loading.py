@@ -18,7 +18,7 @@ from stagewise.checkpoint import progress as record
 from stagewise.checkpoint.errors import CheckpointError
 from stagewise.checkpoint.safe_reader import SafeReader, read_tensors
 from stagewise.checkpoint.saving import MODEL, OPTIM, OPTIMIZER
-from stagewise.comm import everyone_agrees
+from stagewise.comm.agreement import everyone_agrees
 from stagewise.pipeline import Pipeline
 from stagewise.pipeline.parallel.tied_weights import local
 

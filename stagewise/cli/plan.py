@@ -14,7 +14,7 @@ from torch import nn
 
 from stagewise.cli import args
 from stagewise.cli.commands import COMMANDS
-from stagewise.comm import Payload
+from stagewise.comm.payload import Payload
 from stagewise.models import GPT, PRESETS, gpt_parallel
 from stagewise.partition import layers_of
 from stagewise.plan import Option, Plan, plan

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import torch
 from torch import nn
 
-from stagewise.comm import Payload
+from stagewise.comm.payload import Payload
 from stagewise.errors import is_whole, whole_number
 from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS
 

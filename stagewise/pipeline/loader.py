@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from stagewise.comm import Payload
+from stagewise.comm.payload import Payload
 
 if TYPE_CHECKING:
     from stagewise.pipeline.pipe import Pipeline

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stagewise.comm import Payload, PipelineMesh, as_tensors, init_mesh, world_group
+from stagewise.comm import PipelineMesh, init_mesh
+from stagewise.comm.default_group import world_group
+from stagewise.comm.payload import Payload, as_tensors
 from stagewise.partition import CapturedChain, Partition, layers_of
 from stagewise.partition.call_spec import CallSpec, Inputs, as_positional
 from stagewise.pipeline.assembly import Runtime, assemble, checked_schedule, quietly

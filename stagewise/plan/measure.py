@@ -11,7 +11,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
-from stagewise.comm import Payload, as_tensors
+from stagewise.comm.payload import Payload, as_tensors
 from stagewise.partition.live_bytes import LiveBytes
 from stagewise.pipeline import LossFn
 

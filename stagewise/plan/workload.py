@@ -14,7 +14,8 @@ from typing import Any, TypeAlias, cast
 import torch
 from torch import nn
 
-from stagewise.comm import Payload, as_tensors, launch
+from stagewise.comm import launch
+from stagewise.comm.payload import Payload, as_tensors
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.errors import whole_number
 from stagewise.models import GPT, gpt_parallel, preset

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from stagewise import checkpoint
 from stagewise.checkpoint.folders import WriterLock, check_unlocked, step_folder, step_of
-from stagewise.comm import everyone_agrees
+from stagewise.comm.agreement import everyone_agrees
 from stagewise.comm.job_identity import job_token, restarts, shared_run_id
 from stagewise.pipeline import Pipeline
 from stagewise.run.config import TrainConfig

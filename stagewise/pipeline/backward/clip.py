@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard  # private: how FSDP shards a TP shard again
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from stagewise.comm import named_collective
+from stagewise.comm.errors import named_collective
 
 
 @dataclass(frozen=True)

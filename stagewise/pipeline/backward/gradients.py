@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from stagewise.comm import Payload, PayloadLayout, TensorMeta, as_tensors
+from stagewise.comm.meta import TensorMeta
+from stagewise.comm.payload import Payload, PayloadLayout, as_tensors
 
 
 def grad_tensors(payload: object) -> list[torch.Tensor]:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stagewise.comm import Payload, PayloadLayout, Transport, as_tensors
+from stagewise.comm import Transport
+from stagewise.comm.payload import Payload, PayloadLayout, as_tensors
 from stagewise.pipeline.backward.fusion import WeightGradientStore
 from stagewise.pipeline.backward.gradients import grad_tensors, gradient_layout, handed_over, pack_gradients
 from stagewise.pipeline.backward.plan import BackwardPlan

@@ -5,7 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from stagewise.comm import Payload, PayloadLayout, Receiving, Transport
+from stagewise.comm import Transport
+from stagewise.comm.payload import Payload, PayloadLayout
+from stagewise.comm.receiving import Receiving
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.spans import Span
 

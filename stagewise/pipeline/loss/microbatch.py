@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stagewise.comm import Payload, as_tensors
+from stagewise.comm.payload import Payload, as_tensors
 from stagewise.pipeline.config import LossFn, LossReduction
 
 

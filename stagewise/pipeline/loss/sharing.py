@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from stagewise.comm import PipelineMesh, Transport, named_collective
+from stagewise.comm import PipelineMesh, Transport
+from stagewise.comm.errors import named_collective
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from stagewise.comm import Payload, PipelineMesh, as_tensors, named_collective
+from stagewise.comm import PipelineMesh
+from stagewise.comm.errors import named_collective
+from stagewise.comm.payload import Payload, as_tensors
 from stagewise.pipeline.loss.microbatch import Microbatches
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from stagewise.comm import named_collective
+from stagewise.comm.errors import named_collective
 from stagewise.pipeline.config import DataParallel
 from stagewise.pipeline.stage.module import StageModule
 from stagewise.schedule.actions import Action, Kind

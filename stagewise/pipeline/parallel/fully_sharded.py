@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from stagewise.comm import Layout, PipelineMesh, named_collective
+from stagewise.comm import Layout, PipelineMesh
+from stagewise.comm.errors import named_collective
 from stagewise.pipeline.config import FullySharded
 from stagewise.pipeline.stage.module import StageModule
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from stagewise.comm import PipelineMesh, named_collective
+from stagewise.comm import PipelineMesh
+from stagewise.comm.errors import named_collective
 from stagewise.partition import Layer, Partition
 from stagewise.partition.layers import SharedParameter
 from stagewise.pipeline.stage.retie import holder

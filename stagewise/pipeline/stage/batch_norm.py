@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from stagewise.comm import named_collective
+from stagewise.comm.errors import named_collective
 from stagewise.partition import Layer
 from stagewise.partition.segment import Segment
 from stagewise.pipeline.config import BatchNormStatistics

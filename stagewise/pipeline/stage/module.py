@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from stagewise.comm import as_tensors
+from stagewise.comm.payload import as_tensors
 from stagewise.errors import StagewiseError
 from stagewise.partition import Layer
 from stagewise.partition.layers import SharedParameter
