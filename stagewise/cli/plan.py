@@ -15,7 +15,7 @@ from torch import nn
 from stagewise.cli import args
 from stagewise.cli.commands import COMMANDS
 from stagewise.comm.payload import Payload
-from stagewise.models import GPT, PRESETS, gpt_parallel
+from stagewise.models import GPT, PRESETS
 from stagewise.partition import layers_of
 from stagewise.plan import Option, Plan, plan
 from stagewise.plan.cluster import Cluster, Device, parse_devices
@@ -231,6 +231,8 @@ def run(ns: argparse.Namespace) -> int:
     print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {devices}{measured}")
     if ns.tp is not None and ns.tp > 1 and isinstance(model, GPT) and ns.tp not in dict(work.tensor_parallel):
         # a degree the workload did not describe: what the GPT's plan makes of it (or why it cannot)
+        from stagewise.models import gpt_parallel
+
         traffic = layer_traffic(layers_of(model), gpt_parallel.plan, ns.tp)
         work = dataclasses.replace(work, tensor_parallel=(*work.tensor_parallel, (ns.tp, traffic)))
     result = plan(work, cluster, options=_pinned(ns, work, cluster), top=ns.top)

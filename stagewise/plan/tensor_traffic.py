@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from typing import TYPE_CHECKING
 
 from stagewise.partition import Layer
 from stagewise.pipeline import TensorParallelPlan
+
+if TYPE_CHECKING:  # DTensor is loaded where a plan is costed, not to import the planner
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,15 @@ class LayerTraffic:
 
 
 def _whole(layouts: object) -> bool:
+    from torch.distributed.tensor import Replicate
+
     placements = layouts if isinstance(layouts, tuple) else (layouts,)
     return all(isinstance(p, Replicate) for p in placements)
 
 
 def _of(styles: Iterable[ParallelStyle]) -> LayerTraffic:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     forward = backward = gathers = 0
     for style in styles:
         inputs = getattr(style, "input_layouts", None)

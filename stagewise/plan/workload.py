@@ -18,7 +18,7 @@ from stagewise.comm import launch
 from stagewise.comm.payload import Payload, as_tensors
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from stagewise.errors import whole_number
-from stagewise.models import GPT, gpt_parallel, preset
+from stagewise.models import GPT, preset
 from stagewise.partition import LayerCost, layers_of, profile, shared_parameters
 from stagewise.partition.call_spec import Inputs, positional_inputs
 from stagewise.partition.layers import SharedParameter
@@ -140,10 +140,15 @@ def workload(
         optimizer_seconds_per_param=per_param,
         loss_seconds=loss_seconds,
         loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss, output=output),
-        tensor_parallel=()
-        if not isinstance(model, GPT)
-        else tuple((tp, layer_traffic(layers_of(model), gpt_parallel.plan, tp)) for tp in TP_DEGREES),
+        tensor_parallel=_gpt_traffic(model) if isinstance(model, GPT) else (),
     )
+
+
+def _gpt_traffic(model: GPT) -> tuple[tuple[int, tuple[LayerTraffic, ...] | str], ...]:
+    """Each tensor-parallel degree's traffic of stagewise's GPT (DTensor, which its plan needs, loaded here)."""
+    from stagewise.models import gpt_parallel
+
+    return tuple((tp, layer_traffic(layers_of(model), gpt_parallel.plan, tp)) for tp in TP_DEGREES)
 
 
 def preset_model(name: str, micro_batch: int, seq_len: int | None) -> Built:
