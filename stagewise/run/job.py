@@ -7,8 +7,9 @@ with dashes (``batch_size``: ``--batch-size``). A key left out takes its default
 that is otherwise a path or a number (``checkpoint_dir = false``: no checkpoints). The plan file
 (``stagewise plan --json``) holds the same sections for what it chooses.
 
-A job file is data: it is parsed as TOML, each value checked against its field's type, and it names no code
-to run beyond the model (``MODULE:FACTORY``), which the command line could name as well.
+A job file is data: it is parsed as TOML, each value checked against its field's type, and it names no code:
+its model is a preset or ``hf:DIR``; a ``MODULE:FACTORY`` in it is refused unless the command line's ``--model``
+names the same one (as for a plan file).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from stagewise.errors import StagewiseError, is_whole
 from stagewise.models import GPTConfig
-from stagewise.plan.plan_file import read_plan
+from stagewise.plan.plan_file import is_factory, read_plan
 from stagewise.run.config import TrainConfig
 from stagewise.run.user_model import UserModel, model_of
 from stagewise.units import parse_bytes
@@ -206,7 +207,9 @@ def resolved(
     """
     values: dict[str, Any] = dict(defaults or {})
     if job_file is not None:
-        values.update(read_job(job_file))
+        from_file = read_job(job_file)
+        _refuse_code(from_file.get("model"), given.get("model"), job_file)
+        values.update(from_file)
     if plan_file is not None:
         values.update(_planned(read_plan(plan_file, model=given.get("model")), given))
     values.update(given)
@@ -224,6 +227,17 @@ def resolved(
             "(checkpoint_dir = false); leave one of them out"
         )
     return TrainConfig(**values)
+
+
+def _refuse_code(model: object, trusted: object, job_file: str | Path) -> None:
+    """Refuse a job file's model that names code (``MODULE:FACTORY``, which every rank would import and run),
+    unless the command line names the same one."""
+    if isinstance(model, str) and is_factory(model) and model != trusted:
+        raise JobFileError(
+            f"{job_file}: [model] model = {model!r} names code (MODULE:FACTORY), which a job file may not: it would "
+            f"be imported and run on every rank; give --model {model} on the command line to train it with this "
+            "file, or name a preset or hf:DIR"
+        )
 
 
 def _planned(plan: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:

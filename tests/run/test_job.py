@@ -140,3 +140,13 @@ def test_the_job_file_the_command_line_guide_shows_reads(tmp_path: Path) -> None
     shown = guide.split("```toml\n", 1)[1].split("```", 1)[0]
     config = TrainConfig(**read_job(_written(tmp_path, shown)))
     assert (config.model, config.seq_len, config.pp, config.steps) == ("gpt-tiny", 64, 2, 50)
+
+
+def test_a_job_file_naming_code_is_refused_unless_the_command_line_names_it(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    job = _written(tmp_path, f'[model]\nmodel = "os:mkdir"\n\n[data]\ndata = "{marker}"\n')
+    with pytest.raises(JobFileError, match=r"\[model\] model = 'os:mkdir' names code \(MODULE:FACTORY\), which a job"):
+        resolved({}, job_file=job)
+    assert not marker.exists()  # nothing imported or run
+    config = resolved({"model": "os:mkdir"}, job_file=job)  # the command line's own: trusted, as the user's code
+    assert config.model == "os:mkdir" and not marker.exists()
