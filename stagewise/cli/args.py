@@ -112,14 +112,6 @@ def device(text: str) -> str:
     return text
 
 
-def check_seq_len(seq_len: int | None, model: str) -> None:
-    """Refuse ``--seq-len`` for a preset that reads no sequences (every preset but the GPT ones)."""
-    from stagewise.models import PRESETS, GPTConfig
-
-    if seq_len is not None and not isinstance(PRESETS[model], GPTConfig):
-        raise ValueError(f"--seq-len applies to the GPT presets; {model} takes no sequence: leave it out")
-
-
 class DefaultsFormatter(argparse.HelpFormatter):
     """Help that ends each option with its default, unless the option's own help names it or it has none."""
 

@@ -10,6 +10,7 @@ from stagewise.cli import args
 from stagewise.cli.commands import COMMANDS
 from stagewise.models import PRESETS
 from stagewise.partition import By, MemorySetting, balance_costs, layers_of, profile, shared_parameters
+from stagewise.run.planned_model import check_seq_len
 from stagewise.schedule import ScheduleName, build, holdings
 from stagewise.schedule.builders import BUILDERS
 from stagewise.units import format_bytes
@@ -44,7 +45,7 @@ def run(ns: argparse.Namespace) -> int:
     timed = ns.by == "time"
     if ns.device is not None and not timed:
         raise ValueError("--device says where --by time measures; add --by time, or leave --device out")
-    args.check_seq_len(ns.seq_len, ns.model)
+    check_seq_len(ns.seq_len, ns.model, PRESETS[ns.model])
     model = config.build(device="meta")
     sample = config.example(ns.micro_batch_size, ns.seq_len)
     costs = profile(model, sample, time=timed, device=(ns.device or "cpu") if timed else None, progress=timed)

@@ -72,9 +72,14 @@ def planned_model(request: ModelRequest) -> PlannedModel:
     return _preset(request, resolved)
 
 
+def check_seq_len(seq_len: int | None, name: str, config: ModelConfig) -> None:
+    """Refuse a sequence length for a preset that reads no sequences (every preset but the GPT ones)."""
+    if seq_len is not None and not isinstance(config, GPTConfig):
+        raise ValueError(f"--seq-len applies to the GPT presets; {name} takes no sequence: leave it out")
+
+
 def _preset(request: ModelRequest, config: ModelConfig) -> PlannedModel:
-    if request.seq_len is not None and not isinstance(config, GPTConfig):
-        raise ValueError(f"--seq-len applies to the GPT presets; {request.name} takes no sequence: leave it out")
+    check_seq_len(request.seq_len, request.name, config)
     sample = config.example(request.micro_batch, request.seq_len)
     tokens = int(sample.shape[1]) if isinstance(config, GPTConfig) else 1
     return PlannedModel(config.build(device="meta"), sample, tokens)

@@ -59,19 +59,24 @@ _PATHS = ("checkpoint_dir", "metrics", "tensorboard", "wandb", "trace")
 """The settings that are paths a run writes, which may lie in its folder (``RUN/...``)."""
 
 
+def _in_run(path: str | None) -> bool:
+    """Whether ``path`` lies in the run's folder (starts with :data:`RUN`)."""
+    return isinstance(path, str) and Path(path).parts[:1] == (RUN,)
+
+
 def in_folder(config: TrainConfig, folder: Path) -> TrainConfig:
     """``config`` with each path under :data:`RUN` placed in the run's ``folder``."""
     moved: dict[str, Any] = {}
     for name in _PATHS:
         value = getattr(config, name)
-        if isinstance(value, str) and Path(value).parts[:1] == (RUN,):
+        if _in_run(value):
             moved[name] = str(folder.joinpath(*Path(value).parts[1:]))
     return dataclasses.replace(config, **moved)
 
 
 def writes_in_folder(config: TrainConfig) -> bool:
     """Whether ``config`` keeps its checkpoints in the run's folder (so ``--resume`` finds them there)."""
-    return isinstance(config.checkpoint_dir, str) and Path(config.checkpoint_dir).parts[:1] == (RUN,)
+    return _in_run(config.checkpoint_dir)
 
 
 def writable(what: str, folder: Path) -> None:
