@@ -15,7 +15,7 @@ from stagewise.pipeline.config import LossFn, PipelineOptions, WeightGradientFus
 from stagewise.pipeline.execution.executor import Executor
 from stagewise.pipeline.loss.sharing import Sharing
 from stagewise.pipeline.parallel.data_parallel import Replicas
-from stagewise.pipeline.parallel.fully_sharded import ShardedStages, fully_sharded
+from stagewise.pipeline.parallel.fully_sharded import ShardedStages, fully_sharded, refuse_ties_within_a_rank
 from stagewise.pipeline.parallel.tensor_parallel import split_stages
 from stagewise.pipeline.parallel.tied_weights import Ties
 from stagewise.pipeline.stage.batch_norm import DeferredBatchNorm, StatisticsSource, statistics_source
@@ -62,11 +62,6 @@ def checked_schedule(
     else:
         plan = build(schedule, partition.n_stages, n_microbatches, n_virtual=options.n_virtual or 1)
     validate(plan)
-    if options.compute.activation_checkpointing and plan.splits_backward:
-        raise ValueError(
-            "activation checkpointing and split backward (zero-bubble) do not combine: W would recompute "
-            "every layer's forward a second time; choose one"
-        )
     return plan
 
 
@@ -199,7 +194,8 @@ def assemble(
         norms = _deferred_norms(placed, mesh)
         position = mesh.stage
         executor = Executor(
-            schedule, position, placed.stages, transport, mesh.layout.pipeline_ranks(mesh.line), replicas=replicas,
+            schedule, position, placed.stages, transport, mesh.layout.pipeline_ranks(mesh.line),
+            replicas=replicas if replicas is not None else placed.sharded,  # DDP's replicas, or FSDP's shards
             # DDP and FSDP average over the batch's shares; a sum wants the total, and so does a token mean (divided
             # by the global count already)
             grad_scale=float(mesh.layout.batch_shards) if options.loss.reduction in ("sum", "tokens") else 1.0,
@@ -241,6 +237,9 @@ def _place(
     """Materialise this rank's stages on the mesh's device, then split and shard them as the mesh says."""
     fusion = fusion_in_effect(options, mesh.layout)
     shared = shared_parameters(layers)  # before materialising, which unties them
+    sharding = fully_sharded(options.fully_sharded, mesh.layout)
+    if sharding is not None:  # on every rank alike, before anything is materialised
+        refuse_ties_within_a_rank(shared, partition.bounds, schedule)
     keys = frozenset(layer.qualify(k) for layer in layers for k in layer.module.state_dict())
     backend = backend_of(options.compute.compile)
     compiled = None if backend is None else CompiledGraphs(backend)
@@ -251,7 +250,6 @@ def _place(
     )  # fmt: skip
     batch_norm = statistics_source(options.batch_norm, layers, n_microbatches)
     split = split_stages(stages, layers, shared, mesh, options.tensor_parallel) if mesh.layout.tp > 1 else []
-    sharding = fully_sharded(options.fully_sharded, mesh.layout)
     sharded = None if sharding is None else ShardedStages.over(stages, mesh, sharding)
     names = ModelNames(keys, tuple(shared))
     return _Placed(stages, names, fusion, batch_norm, compiled, split, sharded)

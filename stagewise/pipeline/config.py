@@ -43,6 +43,10 @@ itself, or submodule names relative to it mapped to styles (torch's ``ColwisePar
 split the layer over ``tp`` ranks raises ``ValueError`` saying what would fit. The layers' outputs must be whole
 (replicated) tensors, as a row-wise split's are, since they travel to the next stage as they are."""
 
+CheckpointingPolicy = Callable[[str], "bool | SelectiveCheckpointing"]
+"""``policy(layer)``: what the layer named ``layer`` (``"blocks.3"``) recomputes in backward: False (nothing), True
+(its whole forward) or a :class:`SelectiveCheckpointing`."""
+
 CommHook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 """A DDP communication hook: ``hook(state, bucket)`` returns a future of the reduced bucket."""
 
@@ -194,6 +198,10 @@ class DataParallel:
             raise TypeError(f"comm_hook must be callable, got {type(self.comm_hook).__name__}")
 
 
+GatherWhen = Literal["step", "micro-batch"]
+"""When FSDP gathers a stage's whole parameters (see :attr:`FullySharded.gather`)."""
+
+
 @dataclass(frozen=True)
 class FullySharded:
     """How each stage's parameters are sharded over the mesh's ``fsdp`` ranks (torch's ``fully_shard``, FSDP2).
@@ -201,9 +209,12 @@ class FullySharded:
     Used by :class:`stagewise.Pipeline` when its mesh has ``fsdp > 1`` (and ``dp > 1`` with it: HSDP, sharded
     within a replica and all-reduced across replicas), or ``tp > 1`` with ``dp > 1``; passed with ``fsdp == 1``
     the stages are wrapped all the same (one rank's mixed precision through FSDP's policy). Each stage is one
-    FSDP unit. Its parameters are all-gathered once per step, before its first forward, and stay whole until
-    the step's end, when the gradients accumulated over every micro-batch are reduce-scattered once; between
-    steps a rank holds ``1/fsdp`` of its stages' parameters, gradients and optimizer state.
+    FSDP unit. By default (``gather="step"``) its parameters are all-gathered once per step, before its first
+    forward, and stay whole until the step's end, when the gradients accumulated over every micro-batch are
+    reduce-scattered once; with ``gather="micro-batch"`` they are gathered around each of the stage's actions
+    and its gradients reduce-scattered after each backward (ZeRO-3 inside the pipeline). Between steps a rank
+    holds ``1/fsdp`` of its stages' parameters, gradients and optimizer state; ``offload`` keeps those in host
+    memory.
     """
 
     param_dtype: torch.dtype | None = None
@@ -212,12 +223,32 @@ class FullySharded:
     reduce_dtype: torch.dtype | None = None
     """The dtype gradients are accumulated and reduce-scattered in (e.g. ``torch.float32`` with bf16
     parameters); None: ``param_dtype``."""
+    gather: GatherWhen = "step"
+    """When a stage's whole parameters exist. "step": from before the step's first action to its end, with the
+    step's whole gradients (one all-gather and one reduce-scatter per stage and step). "micro-batch": only
+    around the stage's actions (from its action to the next action of another stage of the rank), the next
+    action's stage gathered as soon as the last is freed, and the gradients reduce-scattered into the sharded
+    ``.grad`` after each backward (B, or W of a split backward): a rank holds at most one stage's whole
+    parameters and gradients at a time, at the cost of an all-gather per run of a stage's actions and a
+    reduce-scatter per backward (see :mod:`stagewise.pipeline.parallel.fully_sharded`)."""
+    offload: bool = False
+    """Keep the sharded parameters (the fp32 master weights), their gradients and so the optimizer state in
+    host memory (FSDP's ``CPUOffloadPolicy``, pinned on an accelerator): the optimizer steps on the host, and
+    each gather copies the shards to the device first. On a CPU mesh everything is in host memory already and
+    nothing moves."""
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"FullySharded.{name} must be a floating torch.dtype or None, got {value!r}")
+        if self.gather not in get_args(GatherWhen):
+            raise ValueError(
+                f"FullySharded.gather must be 'step' or 'micro-batch', got {self.gather!r}; 'micro-batch' frees "
+                "each stage's whole parameters between its actions"
+            )
+        if not isinstance(self.offload, bool):
+            raise TypeError(f"FullySharded.offload must be True or False, got {self.offload!r}")
 
 
 MATMULS: frozenset[str] = frozenset(
@@ -267,10 +298,21 @@ class Compute:
     autocast: torch.dtype | None = None
     """Run every stage's forward under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``); None: the
     model's own dtypes."""
-    activation_checkpointing: bool | SelectiveCheckpointing = False
+    activation_checkpointing: bool | SelectiveCheckpointing | CheckpointingPolicy = False
     """Recompute each layer's forward during backward instead of keeping its activations (less memory, one more
     forward); a :class:`SelectiveCheckpointing` keeps the outputs of the ops it names (by default the matmuls) and
-    recomputes the rest. Not with a split backward (zero-bubble)."""
+    recomputes the rest; a function of the layer's name (``"blocks.3"``, as :func:`~stagewise.partition.layers_of`
+    names it) chooses per layer (a :data:`CheckpointingPolicy`: keep the embedding's activations, recompute the
+    blocks'; per stage, from the partition's bounds). Under a split backward (zero-bubble, ZBV, DualPipeV) I and W
+    are two backwards, and each recomputes what it needs of the forward: W's recomputation is the elementwise ops
+    that feed the weights' matmuls under the default selective policy, the whole layer's forward under full
+    checkpointing."""
+    offload_activations: bool = False
+    """Keep the activations each stage saves for its backward in host memory: each is copied there during the
+    forward (on a stream of its own, overlapped with compute, on a CUDA device) and back when the backward needs it,
+    so a rank's device holds about one micro-batch's activations instead of every one in flight. Parameters and
+    tensors under 1 MiB stay on the device. On a CPU device the activations are in host memory already, and nothing
+    moves."""
     compile: bool | str = False
     """Compile each layer's forward with ``torch.compile`` (its backward through AOTAutograd): True uses the
     ``"inductor"`` backend, a string names another (``"aot_eager"``, ...). Layers of one class share their graphs,
@@ -283,17 +325,39 @@ class Compute:
             raise TypeError(
                 f"Compute.autocast must be a torch.dtype or None, got {self.autocast!r}; e.g. torch.bfloat16"
             )
-        if not isinstance(self.activation_checkpointing, bool | SelectiveCheckpointing):
+        if not isinstance(self.activation_checkpointing, bool | SelectiveCheckpointing) and not callable(
+            self.activation_checkpointing
+        ):
             raise TypeError(
-                f"Compute.activation_checkpointing must be True, False or a SelectiveCheckpointing, got "
-                f"{self.activation_checkpointing!r}"
+                f"Compute.activation_checkpointing must be True, False, a SelectiveCheckpointing or a function of "
+                f"the layer's name returning one of those, got {self.activation_checkpointing!r}"
             )
+        if not isinstance(self.offload_activations, bool):
+            raise TypeError(f"Compute.offload_activations must be True or False, got {self.offload_activations!r}")
         if not isinstance(self.compile, bool | str) or self.compile == "":
             raise TypeError(
                 f"Compute.compile must be True, False or a torch.compile backend's name, got {self.compile!r}"
             )
         if isinstance(self.compile, str) and self.compile not in (known := torch._dynamo.list_backends(())):
             raise ValueError(f"Compute.compile names no torch.compile backend: {self.compile!r}; choose among {known}")
+
+    def checkpointing_of(self, layer: str) -> bool | SelectiveCheckpointing:
+        """What layer ``layer`` recomputes in backward: nothing (False), its whole forward (True), or the ops a
+        :class:`SelectiveCheckpointing` does not keep.
+
+        Raises:
+            TypeError: a per-layer policy that returns something else for ``layer``.
+        """
+        policy = self.activation_checkpointing
+        if isinstance(policy, bool | SelectiveCheckpointing):
+            return policy
+        chosen = policy(layer)
+        if not isinstance(chosen, bool | SelectiveCheckpointing):
+            raise TypeError(
+                f"Compute.activation_checkpointing({layer!r}) returned {chosen!r}; a per-layer policy returns "
+                "True, False or a SelectiveCheckpointing for every layer"
+            )
+        return chosen
 
 
 @dataclass(frozen=True)

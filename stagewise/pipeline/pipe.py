@@ -69,7 +69,8 @@ class Pipeline(HeldStages):
 
     With ``fsdp > 1`` each stage is sharded over the ``fsdp`` ranks of its
     replica by torch's ``fully_shard`` (HSDP with ``dp > 1``), gathered once
-    per step and its gradients reduce-scattered once (see
+    per step and its gradients reduce-scattered once, or around each of its
+    actions with ``FullySharded(gather="micro-batch")`` (see
     :mod:`stagewise.pipeline.parallel.fully_sharded`; DDP is not used then); each of
     the ``dp x fsdp`` ranks of a stage takes its own share of the batch. With
     ``tp > 1`` each layer is split over the ``tp`` ranks by

@@ -112,7 +112,7 @@ class Unsplit:
 
 def deferred_stage(model: nn.Module, *, checkpointing: bool = False) -> tuple[StageModule, DeferredBatchNorm]:
     """All of ``model``'s layers as one stage whose batch norms move their statistics once per commit."""
-    stage = StageModule(0, 0, layers_of(model), checkpointing=checkpointing)
+    stage = StageModule(0, 0, layers_of(model), compute=Compute(activation_checkpointing=checkpointing))
     norms = DeferredBatchNorm({0: stage})
     stage.batch_norms = norms.stages[0]
     return stage, norms

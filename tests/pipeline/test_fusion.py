@@ -12,7 +12,7 @@ from support.chains import Chain
 from torch import nn
 
 from stagewise.partition import layers_of
-from stagewise.pipeline import WeightGradientFusion
+from stagewise.pipeline import Compute, WeightGradientFusion
 from stagewise.pipeline.backward.fusion import FusedWeightGradients, WeightGradientStore
 from stagewise.pipeline.backward.plan import BackwardPlan
 from stagewise.pipeline.backward.split import ParameterUses, WeightUse
@@ -131,7 +131,11 @@ def test_a_fused_stage_equals_autograd_with_and_without_checkpointing(checkpoint
     batches = list(x.tensor_split(3))
     want = _autograd_grads(chain.build(), batches)
     stage = StageModule(
-        0, 0, layers_of(chain.build()), checkpointing=checkpointing, fusion=WeightGradientFusion.every()
+        0,
+        0,
+        layers_of(chain.build()),
+        compute=Compute(activation_checkpointing=checkpointing),
+        fusion=WeightGradientFusion.every(),
     )
     for part in batches:
         out = stage.run(part, BackwardPlan(fused=True))
@@ -441,7 +445,13 @@ def test_parameter_uses_records_each_read_once_with_what_it_computed() -> None:
 def test_the_executor_pools_what_rank_pool_chooses(checkpointing: bool, pool: int) -> None:
     """Rank 1 of 1F1B on 2 ranks pools 2 backwards by default, none when its stage recomputes activations."""
     chain = Chain(("linear", "gelu", "linear"), seed=3)
-    stage = StageModule(1, 1, layers_of(chain.build()), checkpointing=checkpointing, fusion=WeightGradientFusion())
+    stage = StageModule(
+        1,
+        1,
+        layers_of(chain.build()),
+        compute=Compute(activation_checkpointing=checkpointing),
+        fusion=WeightGradientFusion(),
+    )
     executor = Executor(build("1f1b", 2, 6), 1, {1: stage}, _LocalTransport(), [0, 1], fusion=stage.fusion)  # type: ignore[arg-type]
     assert executor.pool == pool
 

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from stagewise.models import GPTConfig
 from stagewise.pipeline import Compute, SelectiveCheckpointing
-from stagewise.pipeline.stage.module import _recompute_contexts
+from stagewise.pipeline.stage.recompute import KeptOutputChangedError, recompute_contexts
 
 MM = "aten.addmm.default"
 """A linear with a bias: its forward matmul (the backward's are plain mm)."""
@@ -40,7 +40,7 @@ def _backward_ops(keep: bool | SelectiveCheckpointing) -> tuple[Counter[str], to
         out = block(x)
     else:
         selective = keep if isinstance(keep, SelectiveCheckpointing) else None
-        contexts = functools.partial(_recompute_contexts, block, selective)
+        contexts = functools.partial(recompute_contexts, block, selective)
         out = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
     counted = _Counted()
     with counted:
@@ -71,5 +71,36 @@ def test_a_policy_of_ones_own_chooses_what_is_kept() -> None:
 def test_a_bad_policy_is_refused() -> None:
     with pytest.raises(TypeError, match=r"^SelectiveCheckpointing.keep must be a frozenset of op names"):
         SelectiveCheckpointing(keep={"aten.mm.default"})  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"^Compute.activation_checkpointing must be True, False or a Selective"):
+    with pytest.raises(TypeError, match=r"^Compute.activation_checkpointing must be True, False, a SelectiveCheck"):
         Compute(activation_checkpointing="selective")  # type: ignore[arg-type]
+
+
+def test_every_backward_through_a_selective_checkpoint_recomputes_the_rest_and_reuses_the_matmuls() -> None:
+    """A split backward's I and W are two backwards through one graph: each recomputes, neither runs a matmul."""
+    torch.manual_seed(0)
+    block = GPTConfig(vocab_size=16, seq_len=8, d_model=16, n_layers=1, n_heads=2).build().blocks[0]
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    contexts = functools.partial(recompute_contexts, block, SelectiveCheckpointing())
+    out = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+    want = torch.autograd.grad(block(x).square().sum(), [x, *block.parameters()])
+    for _ in range(2):
+        counted = _Counted()
+        with counted:
+            got = torch.autograd.grad(out.square().sum(), [x, *block.parameters()], retain_graph=True)
+        assert counted.ops[MM] == 0 and counted.ops["aten.gelu.default"] == 1
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+def test_a_kept_output_changed_in_place_is_refused_in_one_line() -> None:
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        y = x @ weight
+        y.add_(1)  # changes the matmul's output, which selective checkpointing kept
+        return y.sin()
+
+    contexts = functools.partial(recompute_contexts, torch.nn.Identity(), SelectiveCheckpointing())
+    out = checkpoint(layer, torch.randn(2, 4, requires_grad=True), use_reentrant=False, context_fn=contexts)
+    with pytest.raises(KeptOutputChangedError, match=r"^selective checkpointing kept the output of aten.mm.default"):
+        out.sum().backward()

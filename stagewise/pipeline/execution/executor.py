@@ -20,6 +20,7 @@ from stagewise.pipeline.config import LossFn, WeightGradientFusion
 from stagewise.pipeline.execution.receives import ACTIVATIONS, GRADIENTS, LOOKAHEAD, PostedReceives
 from stagewise.pipeline.loss.microbatch import Microbatches, scalar_loss
 from stagewise.pipeline.parallel.data_parallel import Replicas, sync_points
+from stagewise.pipeline.parallel.fully_sharded import ShardedStages
 from stagewise.pipeline.stage.module import StageError, StageModule, failure
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.dependencies import Event
@@ -91,6 +92,12 @@ class Executor:
     at the end of the step where every forward of a stage precedes its
     backwards (GPipe), or as many as keep the rank within the pipeline's peak
     in flight (:func:`stagewise.schedule.free_pool`; see :attr:`WeightGradientFusion.pool`).
+    With stages sharded by FSDP (a :class:`ShardedStages` as ``replicas``) and
+    gathered per micro-batch (``FullySharded(gather="micro-batch")``), each
+    action's stage is gathered before it (after its input arrived), its
+    gradients reduce-scattered after it, and the next action's stage's gather
+    issued as soon as this stage is freed (see
+    :class:`~stagewise.pipeline.parallel.fully_sharded.ActionGathers`).
     """
 
     def __init__(
@@ -101,7 +108,7 @@ class Executor:
         transport: Transport,
         peers: Sequence[int],
         *,
-        replicas: Replicas | None = None,
+        replicas: Replicas | ShardedStages | None = None,
         grad_scale: float = 1.0,
         fusion: WeightGradientFusion | None = None,
     ) -> None:
@@ -114,8 +121,11 @@ class Executor:
         """Global rank of each pipeline position."""
         self.lookahead = LOOKAHEAD
         self.last = schedule.n_stages - 1
-        self.replicas = replicas
+        self.replicas = replicas if isinstance(replicas, Replicas) else None
         """Data-parallel replicas of the stages, synchronised after each stage's last backward of a step."""
+        self.sharded = replicas if isinstance(replicas, ShardedStages) else None
+        """The stages sharded by FSDP (passed as ``replicas``); under ``gather="micro-batch"`` this gathers and frees
+        them around each action."""
         self.grad_scale = grad_scale
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
         self.fusion = fusion
@@ -200,6 +210,9 @@ class _Run:
         self.backwards = 0
         self.held: list[Payload] = []
         """Received payloads that pooled weight gradients may still read: recycled after the flush."""
+        sharded = executor.sharded
+        self.gathers = None if sharded is None else sharded.around(actions, training=training)
+        """Gathers and frees the sharded stages around each action (``gather="micro-batch"``); None: not here."""
 
     def flush(self) -> None:
         """Compute the pooled weight gradients into ``.grad``, and recycle the buffers they read."""
@@ -219,6 +232,8 @@ class _Run:
     def act(self, i: int, action: Action) -> None:
         self.receives.post(i + 1 + self.x.lookahead)
         incoming = self.receives.take(i)
+        if self.gathers is not None:  # its gather, issued after the last action, overlapped the wait for its input
+            self.gathers.before(i)
         began = self._now()
         sync = i in self.sync
         replicas = self.x.replicas
@@ -230,7 +245,10 @@ class _Run:
                 self._backward(action, incoming, sync=sync)
             else:
                 self._weights(action, sync=sync)
-        self.events.append(Event(self.x.position, action, began, self._now()))
+        ended = self._now()
+        if self.gathers is not None:
+            self.gathers.after(i)
+        self.events.append(Event(self.x.position, action, began, ended))
 
     def _forward(self, action: Action, incoming: Payload | None) -> None:
         s, mb, x = action.stage, action.microbatch, self.x

@@ -6,13 +6,11 @@ import functools
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
 from stagewise.comm.payload import as_tensors
 from stagewise.errors import StagewiseError
@@ -26,6 +24,8 @@ from stagewise.pipeline.config import Compute, SelectiveCheckpointing, WeightGra
 from stagewise.pipeline.stage.batch_norm import StageNorms
 from stagewise.pipeline.stage.compiled import CompiledGraphs, compile_layers
 from stagewise.pipeline.stage.materialise import Materialising, materialise
+from stagewise.pipeline.stage.offload import ActivationOffload
+from stagewise.pipeline.stage.recompute import recompute_contexts
 from stagewise.pipeline.stage.retie import retie
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,11 @@ _IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-pla
 
 _AUTOGRAD = BackwardPlan()
 """A forward that records nothing and fuses nothing: its backward is autograd's."""
+
+
+_EAGER = Compute()
+"""Every layer's forward as it is, nothing recomputed."""
+_CPU = torch.device("cpu")
 
 
 class StageError(StagewiseError, RuntimeError):
@@ -50,47 +55,6 @@ def _call(modes: Sequence[TorchFunctionMode], layer: nn.Module, x: object) -> ob
         return layer(x)
 
 
-@contextmanager
-def _statistics_frozen(layer: nn.Module) -> Iterator[None]:
-    """Batch norms of ``layer`` run as in training, and their running statistics come out as they went in.
-
-    For a checkpoint's recomputation: the forward already updated them once. The buffers are put back through
-    ``.data``, whose version counter is its own: the recomputed graph saved them, and autograd would refuse them
-    changed in place (a batch norm's training backward does not read them).
-    """
-    tracking = [m for m in layer.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]
-    kept = [(b, b.clone()) for m in tracking for b in m.buffers(recurse=False)]
-    try:
-        yield
-    finally:
-        for buffer, value in kept:
-            buffer.data.copy_(value)
-
-
-def _recompute_contexts(
-    layer: nn.Module, selective: SelectiveCheckpointing | None
-) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
-    """``checkpoint``'s ``context_fn``: the forward as it is, the recomputation with statistics frozen; with
-    ``selective``, the forward keeps the outputs of the ops it saves, and the recomputation reuses them."""
-    if selective is None:
-        return nullcontext(), _statistics_frozen(layer)
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if selective.saves(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
-    forward, recompute = create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
-    return forward, _within(recompute, _statistics_frozen(layer))
-
-
-@contextmanager
-def _within(*managers: AbstractContextManager[Any]) -> Iterator[None]:
-    """Every one of ``managers``, the first outermost."""
-    with ExitStack() as stack:
-        for manager in managers:
-            stack.enter_context(manager)
-        yield
-
-
 class StageModule(nn.Module):
     """The layers ``first .. first + len(layers) - 1`` of a chain, run one after another.
 
@@ -103,9 +67,8 @@ class StageModule(nn.Module):
         first: int,
         layers: Sequence[Layer],
         *,
-        checkpointing: bool | SelectiveCheckpointing = False,
-        autocast: torch.dtype | None = None,
-        device_type: str = "cpu",
+        compute: Compute = _EAGER,
+        device: torch.device = _CPU,
         fusion: WeightGradientFusion | None = None,
         compiled: CompiledGraphs | None = None,
     ) -> None:
@@ -117,12 +80,16 @@ class StageModule(nn.Module):
         self.names = [layer.name for layer in layers]
         self._qualify = [layer.qualify for layer in layers]
         self.layers = nn.ModuleList(layer.module for layer in layers)
-        self.checkpointing = checkpointing
-        self.selective = checkpointing if isinstance(checkpointing, SelectiveCheckpointing) else None
-        """What a selective checkpointing keeps; None: every activation is recomputed (or none, without it)."""
-        self.autocast = autocast
+        self.recomputes = [compute.checkpointing_of(name) for name in self.names]
+        """What each layer recomputes in backward (``compute.activation_checkpointing`` for it): nothing (False),
+        its whole forward (True), or the ops a :class:`SelectiveCheckpointing` does not keep."""
+        self.checkpointing = any(self.recomputes)
+        """Whether any of the stage's layers recomputes its forward in backward."""
+        self.offload = ActivationOffload(device) if compute.offload_activations else None
+        """Where the stage's saved activations go to host memory (``Compute.offload_activations``); None: they stay."""
+        self.autocast = compute.autocast
         """Run the layers under ``torch.autocast`` with this dtype; None runs them as they are."""
-        self.device_type = device_type
+        self.device_type = device.type
         self.fusion = fusion if fusion is not None else WeightGradientFusion()
         """Which weights a fused forward's backward accumulates itself (see :meth:`run`)."""
         self.capture: list[WeightUse] | None = None
@@ -227,16 +194,20 @@ class StageModule(nn.Module):
             # Innermost, so that it sees each op as the model calls it: a segment reports its own ops instead.
             recording = [*modes, self._recorder]
         calls = {True: functools.partial(_call, modes), False: functools.partial(_call, recording)}
+        offloading = (
+            self.offload.saving(self.parameters())
+            if self.offload is not None and torch.is_grad_enabled()
+            else nullcontext()
+        )
         try:
-            with cast, deferring:
-                for layer in self.layers:
+            with cast, deferring, offloading:
+                for layer, recomputes in zip(self.layers, self.recomputes, strict=True):
                     call = calls[isinstance(layer, Segment)]
-                    if self.checkpointing and torch.is_grad_enabled():
-                        # The recomputation must record what the forward recorded: the modes go inside.
-                        selective = (
-                            self.checkpointing if isinstance(self.checkpointing, SelectiveCheckpointing) else None
-                        )
-                        recompute = functools.partial(_recompute_contexts, layer, selective)
+                    if recomputes and torch.is_grad_enabled():
+                        # The recomputation must save what the forward saved: the modes go inside. It records no
+                        # uses (a split backward's I and W each recompute; W starts from the forward's uses).
+                        selective = recomputes if isinstance(recomputes, SelectiveCheckpointing) else None
+                        recompute = functools.partial(recompute_contexts, layer, selective, self._recomputation)
                         x = checkpoint(call, layer, x, use_reentrant=False, context_fn=recompute)
                     else:
                         x = call(layer, x)
@@ -245,6 +216,20 @@ class StageModule(nn.Module):
         if owners is not None and self._recorder is not None and self._recorder.hidden:
             self._check_unseen(x)
         return x
+
+    @contextmanager
+    def _recomputation(self) -> Iterator[None]:
+        """A checkpointed layer's forward run again in backward: the uses of parameters it makes go nowhere."""
+        recorder = self._recorder
+        if recorder is None:
+            yield
+            return
+        uses, cut_all = recorder.uses, recorder.cut_all
+        recorder.uses = []
+        try:
+            yield
+        finally:
+            recorder.uses, recorder.cut_all = uses, cut_all
 
     def _check_unseen(self, output: object) -> None:
         """Refuse parameters whose gradient W cannot reach: read by a custom Function (see :func:`unseen_reads`)."""
@@ -334,8 +319,7 @@ def own_stages(
             index = bounds[s] + offset
             materialise(layer.module, index, making.device, making.seed, init=making.init, shared=shared)
         out[s] = StageModule(
-            s, bounds[s], mine, checkpointing=compute.activation_checkpointing, autocast=compute.autocast,
-            device_type=making.device.type, fusion=fusion, compiled=compiled,
-        )  # fmt: skip
+            s, bounds[s], mine, compute=compute, device=making.device, fusion=fusion, compiled=compiled
+        )
     retie(layers, shared, {i for s in out for i in range(bounds[s], bounds[s + 1])})
     return out
