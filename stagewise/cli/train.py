@@ -16,7 +16,7 @@ from typing import Any, get_args
 from stagewise.cli import args
 from stagewise.cli.commands import COMMANDS
 from stagewise.models import PRESETS
-from stagewise.pipeline.config import NonFinite
+from stagewise.pipeline.config import GatherWhen, NonFinite
 from stagewise.run.config import Optimizer, TrainConfig
 from stagewise.run.runs import (
     IN_RUN_FOLDER,
@@ -127,6 +127,16 @@ def _layout_and_schedule(p: argparse.ArgumentParser) -> None:
         "--tp", type=args.positive_int,
         help=f"ranks each layer is split over (tensor parallelism, GPT presets; default {d.tp})",
     )  # fmt: skip
+    p.add_argument(
+        "--fsdp-gather", choices=get_args(GatherWhen),
+        help=f"when FSDP gathers a stage's whole parameters: once per step, or around each action on a micro-batch "
+        f"(freed between; gradients reduce-scattered after each backward; default {d.fsdp_gather})",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-optimizer", action="store_true",
+        help="keep the optimizer state and master weights in host memory, where the optimizer steps (FSDP's CPU "
+        "offload)",
+    )  # fmt: skip
     p.add_argument("--virtual", type=args.positive_int, help=f"stages per rank, interleaved (default {d.virtual})")
     p.add_argument(
         "--partition", type=args.bounds, metavar="BOUNDS",
@@ -150,6 +160,11 @@ def _optimizer_and_compute(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--activation-checkpointing", nargs="?", const=True, choices=[True, "selective"], metavar="selective",
         help="recompute every layer's activations in backward; 'selective': all but the matmuls' outputs",
+    )  # fmt: skip
+    p.add_argument(
+        "--offload-activations", action="store_true",
+        help="keep the activations saved for backward in host memory (copied there during the forward, back for the "
+        "backward; nothing moves on a CPU)",
     )  # fmt: skip
     p.add_argument(
         "--compile", action="store_true",

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from stagewise.comm.layout import Layout
 from stagewise.comm.timeouts import DEFAULT_TIMEOUT
 from stagewise.errors import is_whole
 from stagewise.models import GPTConfig
 from stagewise.pipeline import NonFinite, WeightGradientFusion
+from stagewise.pipeline.config import GatherWhen
 from stagewise.pipeline.stage.materialise import layer_seed
 from stagewise.run.user_model import UserModel, model_of
 from stagewise.schedule import ScheduleName
@@ -58,6 +59,13 @@ class TrainConfig:
     HSDP); each takes its own share of the batch."""
     tp: int = 1
     """Ranks each layer is split over (tensor parallelism: GPT presets' attention heads, MLP and vocabulary)."""
+    fsdp_gather: GatherWhen = "step"
+    """When FSDP gathers a stage's whole parameters: once per "step" (held whole, with their gradients, until its
+    end), or around each of its actions on a "micro-batch" (freed between, gradients reduce-scattered after each
+    backward: :attr:`stagewise.pipeline.FullySharded.gather`); "micro-batch" needs ``fsdp > 1``."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state and master weights in host memory, where the optimizer steps (FSDP's CPU offload,
+    :attr:`stagewise.pipeline.FullySharded.offload`; the stages are wrapped by FSDP even with ``fsdp == 1``)."""
     schedule: ScheduleName = "1f1b"
     """Pipeline schedule."""
     schedule_text: str | None = None
@@ -86,6 +94,9 @@ class TrainConfig:
     activation_checkpointing: bool | Literal["selective"] = False
     """Recompute activations in backward instead of keeping them: True every layer's whole forward, "selective"
     all but the matmuls' and attention's outputs (:class:`~stagewise.pipeline.SelectiveCheckpointing`)."""
+    offload_activations: bool = False
+    """Keep the activations saved for backward in host memory (:attr:`stagewise.pipeline.Compute.offload_activations`;
+    nothing moves on a CPU device)."""
     compile: bool = False
     """Compile each layer with ``torch.compile`` (inductor; see :attr:`stagewise.pipeline.Compute.compile`)."""
     weight_gradient_fusion: bool = True
@@ -158,6 +169,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_weight_gradients()
+        self._check_sharding()
         self._check_run_folder()
         model = model_of(self.model)  # an unknown model fails here, with the choices
         if self.document_masking and not isinstance(model, (GPTConfig, UserModel)):
@@ -204,6 +216,18 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive, finite number, got {value}")
         if not 0 <= self.clip < math.inf:
             raise ValueError(f"clip must be a finite number >= 0 (0 turns it off), got {self.clip}")
+
+    def _check_sharding(self) -> None:
+        if self.fsdp_gather not in get_args(GatherWhen):
+            raise ValueError(f"fsdp_gather must be 'step' or 'micro-batch', got {self.fsdp_gather!r}")
+        if self.fsdp_gather == "micro-batch" and self.fsdp == 1:
+            raise ValueError(
+                "fsdp_gather='micro-batch' gathers each stage's sharded parameters around its actions, but fsdp=1 "
+                "shards nothing; give fsdp > 1, or leave fsdp_gather at 'step'"
+            )
+        for name in ("offload_optimizer", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     def _check_weight_gradients(self) -> None:
         pool = self.weight_gradient_pool

@@ -26,6 +26,7 @@ from stagewise.pipeline import (
     Batch,
     Compute,
     DataParallel,
+    FullySharded,
     LoaderOptions,
     Loss,
     Pipeline,
@@ -271,9 +272,15 @@ def pipeline_options(config: TrainConfig) -> PipelineOptions:
                 if config.activation_checkpointing == "selective"
                 else config.activation_checkpointing is True
             ),
+            offload_activations=config.offload_activations,
             compile=config.compile,
         ),
         fuse_weight_gradients=fusion,
+        fully_sharded=(
+            FullySharded(gather=config.fsdp_gather, offload=config.offload_optimizer)
+            if config.fsdp_gather != "step" or config.offload_optimizer
+            else "auto"
+        ),
         data_parallel=DataParallel(),
         tensor_parallel=gpt_parallel.plan if isinstance(model_config, GPTConfig) else None,
     )

@@ -15,8 +15,10 @@ from stagewise.cli import main, parser, run_report
 from stagewise.cli import train as cli_train
 from stagewise.cli.train import config_of
 from stagewise.partition import Partition
+from stagewise.pipeline import FullySharded, PipelineOptions, SelectiveCheckpointing
 from stagewise.plan.plan_file import sectioned
 from stagewise.run import Summary, TrainConfig, launching
+from stagewise.run.loop import pipeline_options
 from stagewise.schedule import Schedule
 
 
@@ -247,6 +249,23 @@ def test_train_flags_set_how_weight_gradients_accumulate() -> None:
     assert config().compile is False and config("--compile").compile is True
 
 
+def test_train_flags_choose_what_a_stage_keeps_recomputes_shards_and_offloads() -> None:
+    def options(*argv: str) -> PipelineOptions:
+        return pipeline_options(config_of(parser().parse_args(["train", *argv])))
+
+    plain = options()
+    assert plain.fully_sharded == "auto" and plain.compute.offload_activations is False
+    assert plain.compute.activation_checkpointing is False
+    chosen = options(
+        "--fsdp", "2", "--fsdp-gather", "micro-batch", "--offload-optimizer", "--offload-activations",
+        "--activation-checkpointing", "selective",
+    )  # fmt: skip
+    assert chosen.fully_sharded == FullySharded(gather="micro-batch", offload=True)
+    assert chosen.compute.offload_activations is True
+    assert isinstance(chosen.compute.activation_checkpointing, SelectiveCheckpointing)
+    assert options("--offload-optimizer").fully_sharded == FullySharded(offload=True)  # one rank's offload
+
+
 class LaunchedError(Exception):
     """Raised by a stand-in for launch once it has seen its options."""
 
@@ -303,7 +322,7 @@ def test_train_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["--pp", "1", "--virtual", "8"], "cannot split 7 layers into 8 non-empty stages; use n_stages <= 7"),
-        (["--schedule", "zero-bubble", "--activation-checkpointing"], "activation checkpointing and split backward"),
+        (["--fsdp-gather", "micro-batch"], "fsdp_gather='micro-batch' gathers each stage's sharded parameters around"),
         (["--schedule", "interleaved-1f1b"], "interleaved-1f1b needs n_virtual >= 2 stages per rank, got 1"),
         (["--batch-size", "2", "--microbatches", "4"], "global_batch_size=2 is smaller than dp=1 x n_microbatches=4"),
         (["--seq-len", "4096"], "seq_len=4096 exceeds gpt-tiny's longest sequence, 128"),
@@ -391,7 +410,7 @@ PLAN = {
     ("changed", "message"),
     [
         ({"optimizer": "lion"}, 'the plan\'s "optimizer" is "lion", not one of "adamw", "sgd", or null; write one of'),
-        ({"activation_checkpointing": "no"}, 'the plan\'s "activation_checkpointing" is "no", not true or false'),
+        ({"activation_checkpointing": "no"}, 'the plan\'s "activation_checkpointing" is "no", not true, false or'),
         ({"partition": [0, 2.5, 7]}, 'the plan\'s "partition" is [0, 2.5, 7], not a list of whole numbers'),
         ({"schedule_text": 5}, 'the plan\'s "schedule_text" is 5, not a schedule\'s text'),
         ({"schedule_text": "rank 0: 3000000000F0"}, 'the plan\'s "schedule_text" is "rank 0: 3000000000F0", outside '

@@ -625,15 +625,6 @@ def test_refusals_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> N
         Pipeline(chain.build(), Partition.from_bounds((0, 1, 3)), n_microbatches=2, loss_fn=mse)
     with pytest.raises(TypeError, match=r"partition must be a stagewise Partition, got tuple"):
         Pipeline(chain.build(), (0, 1, 2), n_microbatches=2, loss_fn=mse)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"activation checkpointing and split backward \(zero-bubble\) do not combine"):
-        Pipeline(
-            chain.build(),
-            Partition.from_bounds((0, 1, 2)),
-            schedule="zero-bubble",
-            n_microbatches=2,
-            loss_fn=mse,
-            options=PipelineOptions(compute=Compute(activation_checkpointing=True)),
-        )
     with pytest.raises(
         ValueError,
         match=r"the schedule is for 2 stages and 3 micro-batches, but the partition has 2 stages and "

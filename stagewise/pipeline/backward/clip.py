@@ -51,8 +51,9 @@ def clip_grad_norm_(
     unsplit model. ``counting`` says which gradients count in the norm, and
     how many ranks hold each (see :class:`Counting`); by default all of
     ``parameters``, each held by this rank alone. A NaN gradient on any rank makes the total NaN,
-    as in torch. ``device`` is where a rank without gradients puts its share
-    of the all-reduce (the backend's device); by default its parameters'.
+    as in torch. ``device`` is where the all-reduce runs (the backend's device:
+    gradients offloaded to host memory are summed there); by default the
+    gradients' (the parameters' on a rank without gradients).
     A failed all-reduce raises a :class:`~stagewise.comm.CommError` naming it
     (and ``timeout``, the group's bound in seconds, when given).
 
@@ -68,10 +69,8 @@ def clip_grad_norm_(
     counted = params if counting is None or counting.counted is None else list(counting.counted)
     copies = counting.copies if counting is not None else None
     grads = [q.grad for q in counted if q.grad is not None]
-    if grads:
-        device = grads[0].device
-    elif device is None:
-        device = next((q.device for q in params), torch.device("cpu"))
+    if device is None:  # the backend's device, where gradients offloaded to host memory are not
+        device = grads[0].device if grads else next((q.device for q in params), torch.device("cpu"))
     dtype = grads[0].dtype if grads else torch.float32  # the norm's, as torch returns it: float64 gradients stay so
     local = _local_norm(grads, p, copies, device)
     if math.isinf(p):

@@ -67,6 +67,8 @@ class Ties:
     ) -> None:
         self.copies: list[TiedCopy] = []
         self.rank = mesh.rank
+        self.device = mesh.device
+        """Where the sums are taken: the backend's device (a gradient offloaded to host memory goes there and back)."""
         self.timeout = timeout
         """Seconds each synchronisation may wait for the other copies' ranks."""
         self.shared = list(shared)
@@ -132,8 +134,12 @@ class Ties:
             if earlier is not None:
                 param.grad.sub_(earlier)
             what = f"the sum of the gradients of tied parameter {copy.tie.names[0]!r}'s copies"
+            grad = local(param.grad)
+            summed = grad.to(self.device)  # itself where it is on the backend's device already
             with named_collective(rank=self.rank, peer=copy.source, what=what, timeout=self.timeout):
-                dist.all_reduce(local(param.grad), group=copy.group)
+                dist.all_reduce(summed, group=copy.group)
+            if summed is not grad:
+                grad.copy_(summed)
             if earlier is not None:
                 param.grad.add_(earlier)
 
