@@ -27,6 +27,9 @@ run shard_gpu_check 300 "$PY" benchmarks/shard_gpu_check.py --preset gpt-small -
 # Compiled and eager, fp32 and bf16 on one GPU: MFU, the executor's overhead against the bare loop, memory against
 # the plan; dropout resumed exactly from a checkpoint (the CUDA generator's state).
 run mfu_gpu_check 420 "$PY" benchmarks/mfu_gpu_check.py --presets gpt-small,gpt-medium --batch 8 --microbatches 4
+# Memory options on one GPU: checkpointing (whole, selective; under 1F1B, zero-bubble and ZBV), activation offload
+# and FSDP's per-micro-batch gathering and optimizer offload, each against the unsplit model, with its memory and time.
+run memory_gpu_check 300 "$PY" benchmarks/memory_gpu_check.py --preset gpt-small --seq-len 1024 --batch 8 --microbatches 4
 # A local Hugging Face folder trained from the command line on one GPU.
 "$PY" -c 'import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=256)).save_pretrained("/tmp/stagewise-hf-gpt2")' > /dev/null 2>&1
 run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --pp 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run
