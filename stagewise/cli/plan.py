@@ -30,6 +30,25 @@ from stagewise.units import format_bytes, parse_bytes
 log = logging.getLogger(__name__)
 
 
+def _host_memory(text: str) -> float:
+    """``--host-memory``: a size above 0, as ``parse_bytes`` reads it."""
+    value = args.size(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a size above 0 such as 2TiB, got {text!r}")
+    return value
+
+
+def _host_bandwidth(text: str) -> float:
+    """``--host-bandwidth``: bytes per second, a number above 0."""
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected bytes per second such as 25e9, got {text!r}") from err
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected bytes per second above 0 such as 25e9, got {text!r}")
+    return value
+
+
 def add(commands: Any) -> None:
     p = commands.add_parser(
         "plan",
@@ -78,6 +97,15 @@ def add(commands: Any) -> None:
         "--gpus-per-node", type=args.positive_int, default=8, help="devices per node: tp never crosses a node"
     )
     p.add_argument(
+        "--host-memory", type=_host_memory, default=None,
+        help="host memory per node (e.g. 2TiB), shared by its GPUs, for offloaded optimizer state and activations; "
+        "with --host-bandwidth, the search also tries offloading (default: not tried)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-bandwidth", type=_host_bandwidth, default=None,
+        help="bytes/s per device to and from host memory (e.g. 25e9, PCIe 4 x16); with --host-memory",
+    )  # fmt: skip
+    p.add_argument(
         "--fsdp", type=args.positive_int, default=None, help="shard over this many ranks (default: searched)"
     )
     p.add_argument("--tp", type=args.positive_int, default=None, help="split layers over this many (default: searched)")
@@ -105,9 +133,18 @@ def _cluster(ns: argparse.Namespace) -> Cluster:
         flops = ns.gpu_flops if ns.gpu_flops is not None else 400e12
         bandwidth = ns.gpu_bandwidth if ns.gpu_bandwidth is not None else 2e12
         devices = (Device(memory, flops, bandwidth),) * (ns.gpus or 8)
+    if (ns.host_memory is None) != (ns.host_bandwidth is None):
+        flags = ("--host-memory", "--host-bandwidth") if ns.host_bandwidth is None else ("--host-bandwidth",
+                                                                                          "--host-memory")  # fmt: skip
+        raise ValueError(
+            f"{flags[0]} is given without {flags[1]}; offloading to the host needs both, e.g. --host-memory 2TiB "
+            "--host-bandwidth 25e9"
+        )
     return Cluster(
-        devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth, ns.gpus_per_node, ns.intra_node_bandwidth
-    )
+        devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth, ns.gpus_per_node, ns.intra_node_bandwidth,
+        host_memory=ns.host_memory, host_bandwidth=ns.host_bandwidth,
+        side_stream=not (ns.profile and (ns.device or "cpu") == "cpu"),
+    )  # fmt: skip
 
 
 def _pinned(ns: argparse.Namespace, work: Workload, cluster: Cluster) -> list[Option] | None:
@@ -119,8 +156,9 @@ def _pinned(ns: argparse.Namespace, work: Workload, cluster: Cluster) -> list[Op
         found = dict(work.tensor_parallel).get(ns.tp)
         raise ValueError(found if isinstance(found, str) else f"--tp {ns.tp}: {work.traffic(ns.tp)}")
     every = candidates(
-        cluster.n_devices, len(work.costs), work.global_batch, tp_degrees=degrees, gpus_per_node=cluster.gpus_per_node
-    )
+        cluster.n_devices, len(work.costs), work.global_batch, tp_degrees=degrees, gpus_per_node=cluster.gpus_per_node,
+        host=cluster.offloads,
+    )  # fmt: skip
     return [o for o in every if (ns.fsdp is None or o.fsdp == ns.fsdp) and (ns.tp is None or o.tp == ns.tp)]
 
 
@@ -128,11 +166,20 @@ def _show(result: Plan, work: Workload, top: int) -> None:
     if result.options:
         listed = result.options[:top]
         width = max(36, *(len(o.describe()) for o in listed))
-        print(f"{'layout':<{width}} {'step':>10} {'bubble':>7} {'tokens/s':>12} {'peak memory per rank':>22}")
+        hosted = any(o.rank_host_memory for o in listed)
+        host_head = f" {'host per rank':>14}" if hosted else ""
+        print(
+            f"{'layout':<{width}} {'step':>10} {'bubble':>7} {'tokens/s':>12} {'peak memory per rank':>22}{host_head}"
+        )
         for o in listed:
             tokens = o.samples_per_second * work.tokens_per_sample
             peak = format_bytes(max(o.rank_memory))
-            print(f"{o.describe():<{width}} {o.step_time:>9.4g}s {o.bubble:>7.1%} {tokens:>12.4g} {peak:>22}")
+            host = f" {format_bytes(max(o.rank_host_memory)) if o.rank_host_memory else '-':>14}" if hosted else ""
+            print(f"{o.describe():<{width}} {o.step_time:>9.4g}s {o.bubble:>7.1%} {tokens:>12.4g} {peak:>22}{host}")
+        print(
+            "options: +ckpt whole-layer checkpointing, +sel-ckpt selective, +gather/mb FSDP gathers per action, "
+            "+offload-opt optimizer on the host, +offload-act activations to the host"
+        )
     if result.rejected:
         print(f"rejected {len(result.rejected)} layouts, for example:")
         shown: set[str] = set()
@@ -202,6 +249,8 @@ def _write_best(ns: argparse.Namespace, result: Plan, work: Workload, tokens: in
         print(f"fullest rank: {top}, {format_bytes(pairs[top][0])} ({format_bytes(pairs[top][1])} activations)")
     else:
         print("per rank: " + ", ".join(f"{format_bytes(m)} ({format_bytes(a)} activations)" for m, a in pairs))
+    if best.rank_host_memory:
+        print(f"host memory per rank: at most {format_bytes(max(best.rank_host_memory))} offloaded")
     if ns.json is not None:
         seq = tokens if tokens > 1 else None
         ns.json.write_text(

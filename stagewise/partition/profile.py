@@ -23,6 +23,7 @@ from stagewise.partition.layers import Layer, Payload, layers_of
 from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
 from stagewise.partition.live_bytes import LiveBytes
 from stagewise.partition.segment import Segment
+from stagewise.partition.selective import SelectiveCount
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,16 @@ class LayerCost:
     """Bytes the layer holds for a moment beyond what it saves while it computes one micro-batch: the gradient
     of its output and of its input and the temporaries of its backward (its parameters' gradients aside), or
     of its forward where those are more (:class:`~stagewise.partition.LiveBytes`, on meta too)."""
+    selective_bytes: int = 0
+    """Bytes of the outputs of the ops that selective activation checkpointing keeps
+    (:data:`~stagewise.partition.selective.KEPT_OPS`: matmuls and fused attention), each storage once: what a
+    layer saves under it beside its input (:class:`~stagewise.partition.selective.SelectiveCount`)."""
+    recompute_flops: int = 0
+    """Forward FLOPs of the ops selective checkpointing recomputes (every op it does not keep; about 0 for a
+    transformer layer, whose FLOPs are in its matmuls and attention)."""
+    recompute_bytes: int = 0
+    """Bytes the ops selective checkpointing recomputes read and write (norms, activations, additions, rope,
+    eager softmax): what their recomputation costs at the device's memory bandwidth."""
 
 
 def _tensors(value: object, where: str) -> tuple[torch.Tensor, ...]:
@@ -361,15 +372,17 @@ class _Run:
     pooled: _PooledBytes
     working_bytes: int
     """What the layer held for a moment beyond what it saves (see :attr:`LayerCost.working_bytes`)."""
+    selective: SelectiveCount
+    """What selective activation checkpointing would keep and recompute of its forward."""
 
 
 def _counted_run(work: nn.Module, inputs: Payload, name: str, pooled_min_elements: int) -> _Run:
     """Run ``work`` forward and backward on ``inputs`` once, counting FLOPs, saved, pooled and live bytes."""
     saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
-    live = LiveBytes()
+    live, selective = LiveBytes(), SelectiveCount()
     with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
-        with hooks, FusedAttentionOnMeta(), pooled, live:
+        with hooks, FusedAttentionOnMeta(), pooled, live, selective:
             output = work(inputs)
         outs = _tensors(output, f"the output of layer {name!r}")
         forward_flops = counter.get_total_flops()
@@ -380,7 +393,7 @@ def _counted_run(work: nn.Module, inputs: Payload, name: str, pooled_min_element
         total_flops = counter.get_total_flops()
     grads = sum(p.grad.untyped_storage().nbytes() for p in work.parameters() if p.grad is not None)
     working = max(forward_extra, live.peak - kept - grads, 0)
-    return _Run(output, outs, int(total_flops), int(forward_flops), saved, pooled, int(working))
+    return _Run(output, outs, int(total_flops), int(forward_flops), saved, pooled, int(working), selective)
 
 
 def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, time: float | None) -> LayerCost:
@@ -400,4 +413,7 @@ def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, time: float | Non
         pooled_bytes=run.pooled.total,
         use_bytes=run.pooled.uses,
         working_bytes=run.working_bytes,
+        selective_bytes=run.selective.kept,
+        recompute_flops=run.selective.recompute_flops,
+        recompute_bytes=run.selective.recompute_bytes,
     )

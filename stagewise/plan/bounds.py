@@ -11,10 +11,12 @@ import numpy as np
 
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import Overheads
-from stagewise.plan.setting import ScheduleShape, Setting, cached_shape
+from stagewise.plan.rank_memory import offloaded
+from stagewise.plan.setting import ScheduleShape, Setting, cached_holdings, cached_shape, splits_backward
 from stagewise.plan.time_model import optimizer_seconds, sync_seconds
 from stagewise.plan.workload import Workload
 from stagewise.schedule import StageCosts
+from stagewise.schedule.holdings import Holding
 
 SLACK = 1e-9
 """How far under its exact figure a time bound is set, so that sums taken in another order never lift it over."""
@@ -42,10 +44,10 @@ def step_floor(setting: Setting, workload: Workload, cluster: Cluster) -> float:
     m, layer = o.n_microbatches, [f + b for f, b in setting.seconds]
     total = sum(layer)
     pipeline = m * max(total / o.pp, *layer)
-    if not _shape_of(setting).splits:
-        pipeline = max(pipeline, total / (1 - (1 - 1 / m) ** setting.schedule.n_stages))
+    if not splits_backward(o.schedule, o.n_virtual):
+        pipeline = max(pipeline, total / (1 - (1 - 1 / m) ** setting.n_stages))
     mean = setting.layers.param_bytes / o.pp
-    optimizer = min(optimizer_seconds([mean], [d], workload, o.fsdp) for d in setting.devices)
+    optimizer = min(optimizer_seconds([mean], [d], workload, o, cluster) for d in setting.devices)
     return Overheads(sync_seconds([mean], o, cluster), optimizer, 0.0).step(pipeline * (1 - SLACK))
 
 
@@ -76,30 +78,48 @@ def pipeline_floor(setting: Setting, costs: StageCosts) -> float:
     return floor * (1 - SLACK)
 
 
-def can_fit(setting: Setting) -> bool:
-    """Whether some split of ``setting``'s layers could fit each stage's capacity.
+def _moments(setting: Setting) -> tuple[tuple[Holding, ...], ...]:
+    """Per stage: moments that bound what it holds from below, cheap to work out: with a split backward its
+    holdings (micro-batches in flight and waiting for W), else its peak in flight alone."""
+    o = setting.option
+    if not splits_backward(o.schedule, o.n_virtual):
+        return tuple((Holding(peak),) for peak in setting.peaks)
+    ckpt = o.activation_checkpointing is not False
+    moments = cached_holdings(o.schedule, setting.n_stages, o.n_microbatches, o.n_virtual, ckpt, False)
+    return offloaded(moments) if o.offload_activations else moments
 
-    Each range of layers is costed under what its stage holds: its fixed bytes (a tied parameter's left out) and
-    its saved activations (a tensor two neighbours save left out) for the micro-batches the stage holds in flight
-    at its peak, no pooled gradients; at most what the memory model counts. False only where no split fits those
+
+def can_fit(setting: Setting) -> bool:
+    """Whether some split of ``setting``'s layers could fit each stage's capacity (:func:`_fits`): first with each
+    stage holding one micro-batch in flight, which every schedule's stages do at some moment (no schedule is
+    built for it), then at each stage's fullest moments."""
+    one = tuple((Holding(1),) for _ in range(setting.n_stages))
+    return _fits(setting, one) and _fits(setting, _moments(setting))
+
+
+def _fits(setting: Setting, every: tuple[tuple[Holding, ...], ...]) -> bool:
+    """Whether some split of ``setting``'s layers could fit each stage's capacity, each stage holding what
+    ``every`` moment of it says.
+
+    Each range of layers is costed under what its stage holds: its fixed bytes (a tied parameter's left out) and,
+    at each moment that can be its fullest, its saved activations (a tensor two neighbours save left out) for the
+    micro-batches it holds in flight and, with a split backward, its pooled bytes for those waiting for W (a
+    weight-gradient pool left out); at most what the memory model counts. False only where no split fits those
     bounds, so where :func:`~stagewise.plan.evaluate.partitioned` finds none either.
     """
-    costs, state = setting.costs, setting.state
-    fixed = np.array([c.param_bytes * state + c.buffer_bytes for c in costs], dtype=np.float64)
-    for tie in setting.layers.shared:
-        fixed[list(tie.indices)] -= tie.nbytes * state
-    kept = np.array([float(c.saved_bytes) - float(c.shared_bytes) for c in costs], dtype=np.float64)
-    fixed_sums = np.concatenate(([0.0], np.cumsum(fixed)))
-    kept_sums = np.concatenate(([0.0], np.cumsum(kept)))
-    held = fixed_sums[None, :] - fixed_sums[:, None]  # [start, stop]: the fixed bytes of layers start:stop
-    saved = kept_sums[None, :] - kept_sums[:, None]
-    scale = float(np.abs(fixed).sum() + np.abs(kept).sum())
-    ahead = np.triu(np.ones_like(held, dtype=bool), k=1)  # stop > start: no stage is empty
-    reached = np.zeros(len(costs) + 1, dtype=bool)
+    sums = setting.layers.range_sums
+    held = setting.state * sums.params + sums.buffers
+    scale = setting.state * sums.param_scale + sums.scale
+    reached = np.zeros(len(setting.costs) + 1, dtype=bool)
     reached[0] = True
-    for stage, peak in enumerate(_shape_of(setting).peaks):
-        limit = setting.capacities[stage]
-        tolerance = MEMORY_SLACK * limit + SLACK * scale * max(peak, 1)
-        fits = ahead & (held + peak * saved <= limit + tolerance)
+    fitting: dict[tuple[float, tuple[Holding, ...]], np.ndarray] = {}
+    for stage in range(setting.n_stages):
+        limit, moments = setting.capacities[stage], every[stage]
+        fits = fitting.get((limit, moments))
+        if fits is None:
+            most = max(max(h.in_flight, h.pooled) for h in moments)
+            tolerance = MEMORY_SLACK * limit + SLACK * scale * max(most, 1)
+            fullest = np.max([h.in_flight * sums.kept + h.pooled * sums.pooled for h in moments], axis=0)
+            fits = fitting[(limit, moments)] = sums.ahead & (held + fullest <= limit + tolerance)
         reached = (reached[:, None] & fits).any(axis=0)
     return bool(reached[-1])

@@ -49,6 +49,19 @@ class Cluster:
     """Bytes per second of FSDP's all-gather and reduce-scatter per device (of its shard), where they run slower
     than the ring bandwidth of their group (gloo's, about a quarter of its all-reduce's); None: that bandwidth, as
     NCCL's do."""
+    host_memory: float | None = None
+    """Bytes of host memory per node, shared by its GPUs, for offloaded optimizer state and activations; None:
+    offloading is not considered."""
+    host_bandwidth: float | None = None
+    """Bytes per second each device moves to or from host memory (PCIe class, e.g. 25e9); None: offloading is
+    not considered."""
+    host_optimizer_bandwidth: float = 50e9
+    """Bytes per second per node at which an offloaded optimizer reads and writes its state on the host (a
+    server's CPUs stepping Adam), shared by the node's GPUs."""
+    side_stream: bool = True
+    """Whether a device overlaps copies and collectives with its compute (a GPU's side streams): FSDP's
+    per-action gathers and activation offloading cost only what they take beyond the compute beside them.
+    False (gloo on CPUs): they add to it."""
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -56,15 +69,35 @@ class Cluster:
         whole_number("gpus_per_node", self.gpus_per_node, least=1, fix="give the devices of one node (8 by default)")
         if self.sharding_bandwidth is not None and not 0 < self.sharding_bandwidth < math.inf:
             raise ValueError(f"sharding_bandwidth must be positive and finite or None, got {self.sharding_bandwidth}")
-        for name in ("link_bandwidth", "network_bandwidth", "intra_node_bandwidth"):
+        for name in ("link_bandwidth", "network_bandwidth", "intra_node_bandwidth", "host_optimizer_bandwidth"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be positive and finite, got {getattr(self, name)}")
+        for name in ("host_memory", "host_bandwidth"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{name} must be positive and finite, or None (no offloading), got {value}")
+        if (self.host_memory is None) != (self.host_bandwidth is None):
+            given, missing = ("host_memory", "host_bandwidth") if self.host_bandwidth is None else (
+                "host_bandwidth", "host_memory")  # fmt: skip
+            raise ValueError(
+                f"{given} is given but {missing} is not; offloading needs both (--host-memory and --host-bandwidth)"
+            )
         if not 0 <= self.link_latency < math.inf:  # also refuses NaN
             raise ValueError(f"link_latency must be >= 0 and finite, got {self.link_latency}")
 
     @property
     def n_devices(self) -> int:
         return len(self.devices)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether offloading to host memory is considered: the host's memory and bandwidth are given."""
+        return self.host_memory is not None and self.host_bandwidth is not None
+
+    @property
+    def host_share(self) -> float:
+        """Host bytes one device may fill: the node's host memory over its GPUs (0 where none is given)."""
+        return 0.0 if self.host_memory is None else self.host_memory / self.gpus_per_node
 
     def bandwidth(self, span: int) -> float:
         """Ring bandwidth of a group of ranks ``span`` apart at most in rank order: within a node, or across."""

@@ -12,7 +12,7 @@ from stagewise.plan.cluster import Cluster
 from stagewise.plan.option import Option
 from stagewise.plan.rank_memory import rank_activation
 from stagewise.plan.rejection import Rejection, memory_rejection
-from stagewise.plan.setting import Setting, Settings
+from stagewise.plan.setting import Setting, Settings, cached_shape
 from stagewise.plan.time_model import optimizer_seconds, stage_times, sync_seconds, tie_seconds
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, StageCosts, simulate
@@ -29,7 +29,7 @@ def rejected(option: Option, why: Rejection) -> Option:
 def partitioned(setting: Setting) -> Partition | Rejection:
     """The fastest partition of ``setting``'s layers within each stage's memory; or, where none fits, the stage that
     overflows its own device in the leanest split."""
-    n_stages = setting.schedule.n_stages
+    n_stages = setting.n_stages
     weights = [f + b for f, b in setting.seconds]
     try:
         return balance(weights, n_stages, speeds=setting.speeds, memory=setting.memory, capacities=setting.capacities)
@@ -45,7 +45,10 @@ def stage_ranges(part: Partition) -> list[range]:
 
 def timed(setting: Setting, part: Partition, cluster: Cluster) -> StageCosts:
     """What each stage of ``part`` costs per micro-batch in ``setting``, as its schedule is simulated."""
-    return stage_times(setting.seconds, setting.speeds, setting.costs, setting.memory, stage_ranges(part), cluster)
+    return stage_times(
+        setting.seconds, setting.speeds, setting.costs, setting.memory, stage_ranges(part), cluster,
+        split=setting.layers.split,
+    )  # fmt: skip
 
 
 def _rank_layers(schedule: Schedule, stages: Sequence[range]) -> list[frozenset[int]]:
@@ -76,30 +79,63 @@ def overheads(setting: Setting, part: Partition, workload: Workload, cluster: Cl
     rank_params = [params_of(setting.costs, setting.layers.shared, mine, nbytes=True) for mine in layers]
     return Overheads(
         sync=sync_seconds(rank_params, option, cluster),
-        optimizer=optimizer_seconds(rank_params, setting.devices, workload, option.fsdp),
+        optimizer=optimizer_seconds(rank_params, setting.devices, workload, option, cluster),
         ties=tie_seconds(part, schedule, workload, cluster, option.fsdp * option.tp),
     )
 
 
+def host_bytes(setting: Setting, part: Partition) -> list[float]:
+    """Per rank: the host bytes its offloading keeps, its share of the optimizer state and the saved activations
+    of its stages' micro-batches in flight (all of them, at its peak); none without offloading."""
+    option, schedule, memory = setting.option, setting.schedule, setting.memory
+    stages = stage_ranges(part)
+    out = []
+    for rank, mine in enumerate(_rank_layers(schedule, stages)):
+        state = params_of(setting.costs, setting.layers.shared, mine, nbytes=True) * setting.host_state
+        acts = 0.0
+        if option.offload_activations:
+            peaks = cached_shape(option.schedule, schedule.n_stages, option.n_microbatches, option.n_virtual).peaks
+            acts = sum(peaks[s] * memory.kept(stages[s].start, stages[s].stop) for s in schedule.stages_of(rank))
+        out.append(state + acts)
+    return out
+
+
 def measured(
-    setting: Setting, part: Partition, result: SimulationResult, extra: Overheads, workload: Workload
+    setting: Setting, part: Partition, result: SimulationResult, extra: Overheads, workload: Workload, cluster: Cluster
 ) -> Option:
     """``setting``'s option with its partition ``part``, its schedule's simulated ``result`` and ``extra`` seconds:
-    its step time, bubble, and memory per rank."""
+    its step time, bubble, and memory per rank (and host memory, offloading; a layout whose host memory
+    overflows its share of the node's, :attr:`Cluster.host_share`, rejected)."""
     memory, schedule, layers = setting.memory, setting.schedule, setting.layers
     stages = stage_ranges(part)
     fixed = [memory.fixed_bytes(mine) for mine in _rank_layers(schedule, stages)]
     acts = rank_activation(memory, schedule, layers.costs, stages, layers.recompute, layers.loss_extra)
     step = extra.step(result.step_time)
+    option = setting.option
+    host = host_bytes(setting, part) if option.offload_optimizer or option.offload_activations else []
+    why = host_rejection(host, cluster)
     return dataclasses.replace(
-        setting.option,
+        option,
         partition=part,
         step_time=step,
         bubble=result.bubble,
         rank_memory=tuple(f + a for f, a in zip(fixed, acts, strict=True)),
         rank_activation=tuple(acts),
+        rank_host_memory=tuple(host),
         samples_per_second=workload.global_batch / step,
         simulation=result,
+        rejected=why,
+    )
+
+
+def host_rejection(host: Sequence[float], cluster: Cluster) -> str | None:
+    """Why ranks keeping ``host`` bytes each in host memory overflow their share of a node's, if they do."""
+    if not host or max(host) <= cluster.host_share:
+        return None
+    rank = max(range(len(host)), key=lambda r: host[r])
+    return (
+        f"rank {rank} offloads {host[rank] / 2**30:.1f} GiB to the host > {cluster.host_share / 2**30:.1f} GiB "
+        f"(its share of {(cluster.host_memory or 0) / 2**30:.0f} GiB per node over {cluster.gpus_per_node} GPUs)"
     )
 
 
@@ -122,4 +158,4 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     if isinstance(part, Rejection):
         return rejected(option, part)
     result = simulate(setting.schedule, timed(setting, part, cluster))
-    return measured(setting, part, result, overheads(setting, part, workload, cluster), workload)
+    return measured(setting, part, result, overheads(setting, part, workload, cluster), workload, cluster)

@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Literal, TypeAlias, get_args
 
 from stagewise.partition import Partition
 from stagewise.plan.plan_file import sectioned
 from stagewise.plan.workload import Workload
 from stagewise.schedule import ScheduleName
 from stagewise.schedule.simulate import SimulationResult
+
+Checkpointing: TypeAlias = bool | Literal["selective"]
+"""Activation checkpointing: none, whole layers (each keeps its input and recomputes its forward), or
+``"selective"`` (each keeps its input and its matmuls' and fused attention's outputs, and recomputes the rest)."""
+Gather: TypeAlias = Literal["step", "micro-batch"]
+"""When FSDP gathers a stage's parameters: once a step, held whole through it (with whole gradients), or before
+each of the stage's actions and freed after (ZeRO-3 within the pipeline; gradients reduce-scattered after each
+backward)."""
+GATHERS: tuple[Gather, ...] = get_args(Gather)
 
 
 @dataclass(frozen=True)
@@ -22,7 +32,7 @@ class Option:
     n_virtual: int
     n_microbatches: int
     schedule: ScheduleName
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     partition: Partition | None = None
     step_time: float = math.inf
     """Predicted seconds per optimizer step."""
@@ -39,6 +49,15 @@ class Option:
     """Ranks each replica shards its stages over (FSDP; with ``dp > 1``, HSDP)."""
     tp: int = 1
     """Ranks each layer is split over (tensor parallelism), within one node."""
+    fsdp_gather: Gather = "step"
+    """When the FSDP shards gather a stage's parameters (:data:`Gather`); "micro-batch" only with ``fsdp > 1``."""
+    offload_optimizer: bool = False
+    """Optimizer state and fp32 master weights in host memory, the optimizer stepping on the host."""
+    offload_activations: bool = False
+    """Saved activations sent to host memory during forward and brought back for backward."""
+    rank_host_memory: tuple[float, ...] = ()
+    """Predicted host bytes each pipeline rank keeps with offloading (optimizer state, activations); empty
+    without."""
 
     @property
     def ranks_per_stage(self) -> int:
@@ -50,10 +69,28 @@ class Option:
         """The ranks of a stage that take their own share of the batch: ``dp x fsdp``."""
         return self.dp * self.fsdp
 
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The memory options it uses, as :meth:`describe` names them: ``+ckpt`` (whole layers), ``+sel-ckpt``
+        (selective), ``+gather/mb`` (FSDP gathering per micro-batch), ``+offload-opt``, ``+offload-act``."""
+        used = []
+        if self.activation_checkpointing == "selective":
+            used.append("+sel-ckpt")
+        elif self.activation_checkpointing:
+            used.append("+ckpt")
+        if self.fsdp_gather == "micro-batch":
+            used.append("+gather/mb")
+        if self.offload_optimizer:
+            used.append("+offload-opt")
+        if self.offload_activations:
+            used.append("+offload-act")
+        return tuple(used)
+
     def describe(self) -> str:
-        ckpt = " +ckpt" if self.activation_checkpointing else ""
+        """The layout in one line: ``pp=8 dp=1 fsdp=4 tp=2 m=128 interleaved-1f1b +ckpt`` (:attr:`options`)."""
         sharded = "".join(f" {name}={getattr(self, name)}" for name in ("fsdp", "tp") if getattr(self, name) > 1)
-        return f"pp={self.pp} dp={self.dp}{sharded} m={self.n_microbatches} {self.schedule}{ckpt}"
+        used = "".join(f" {o}" for o in self.options)
+        return f"pp={self.pp} dp={self.dp}{sharded} m={self.n_microbatches} {self.schedule}{used}"
 
 
 @dataclass(frozen=True)
@@ -103,12 +140,16 @@ class Plan:
             "microbatches": best.n_microbatches,
             "batch_size": workload.global_batch,
             "optimizer": optimizer,
+            "fsdp_gather": best.fsdp_gather,
+            "offload_optimizer": best.offload_optimizer,
             "activation_checkpointing": best.activation_checkpointing,
+            "offload_activations": best.offload_activations,
             "predicted": {
                 "step_time": best.step_time,
                 "bubble": best.bubble,
                 "rank_memory": list(best.rank_memory),
                 "rank_activation": list(best.rank_activation),
+                **({"rank_host_memory": list(best.rank_host_memory)} if best.rank_host_memory else {}),
             },
         }
         return json.dumps(sectioned(fields), indent=1)

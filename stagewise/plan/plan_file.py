@@ -98,6 +98,8 @@ def _quoted(choices: tuple[str, ...]) -> str:
 
 
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+GATHERS: tuple[str, ...] = ("step", "micro-batch")
+"""When FSDP gathers a stage's parameters (:data:`stagewise.plan.option.Gather`; train's ``fsdp_gather``)."""
 OPTIMIZERS: tuple[str, ...] = get_args(OptimizerKind)
 """The optimizers train has (:data:`stagewise.run.Optimizer`, the same)."""
 COUNT = "a whole number >= 1 (a JSON integer)"
@@ -115,12 +117,36 @@ FIELDS: tuple[PlanField, ...] = (
     PlanField("fsdp", "layout", COUNT, _count, required=False),
     PlanField("tp", "layout", COUNT, _count, required=False),
     PlanField("virtual", "layout", COUNT, _count),
+    PlanField(
+        "fsdp_gather",
+        "layout",
+        f"one of {_quoted(GATHERS)}",
+        _one_of(GATHERS),
+        required=False,
+        fix=f"write one of {_quoted(GATHERS)}",
+    ),
+    PlanField(
+        "offload_optimizer",
+        "layout",
+        "true or false (a JSON boolean)",
+        lambda value: isinstance(value, bool),
+        required=False,
+        fix="write true or false, without quotes",
+    ),
     PlanField("schedule", "schedule", f"one of {_quoted(SCHEDULES)}", _one_of(SCHEDULES)),
     PlanField("microbatches", "schedule", COUNT, _count),
     PlanField("batch_size", "schedule", COUNT, _count),
     PlanField("seq_len", "model", f"{COUNT} or null", _count, required=False, nullable=True),
     PlanField(
         "activation_checkpointing",
+        "compute",
+        'true, false or "selective"',
+        lambda value: isinstance(value, bool) or value == "selective",
+        required=False,
+        fix='write true or false without quotes, or "selective"',
+    ),
+    PlanField(
+        "offload_activations",
         "compute",
         "true or false (a JSON boolean)",
         lambda value: isinstance(value, bool),

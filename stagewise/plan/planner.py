@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import evaluate
-from stagewise.plan.option import Option, Plan
+from stagewise.plan.option import GATHERS, Checkpointing, Gather, Option, Plan
 from stagewise.plan.search import search
-from stagewise.plan.setting import cached_schedule
 from stagewise.plan.workload import Workload
 from stagewise.schedule import ScheduleName
 from stagewise.schedule.builders import BUILDERS
@@ -23,26 +23,69 @@ _VIRTUAL = 2
 """Stages per rank that a :attr:`~stagewise.schedule.Builder.virtual` (interleaved) schedule is tried with."""
 
 
-SEARCHED: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-"""The built-in schedules the planner tries. Not yet: looped BFS, which holds GPipe's memory on each of its stages
-for interleaved 1F1B's bubble, and the V-shaped ZBV."""
+SEARCHED: tuple[ScheduleName, ...] = (
+    "gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev",
+)  # fmt: skip
+"""The built-in schedules the planner tries: every one :func:`~stagewise.schedule.build` knows."""
+
+CHECKPOINTING: tuple[Checkpointing, ...] = (False, True, "selective")
+"""The activation checkpointing each layout is tried with."""
 
 
-def _layouts(pp: int, m: int) -> list[tuple[ScheduleName, int, bool]]:
-    """(schedule, stages per rank, activation checkpointing) worth trying with ``pp`` ranks and ``m`` micro-batches:
-    every schedule of :data:`SEARCHED` that takes that shape (the builders say which run several stages per rank)."""
+@dataclass(frozen=True)
+class Layout:
+    """A schedule worth trying for a pipeline shape."""
+
+    schedule: ScheduleName
+    n_virtual: int
+    """Stages per rank."""
+
+
+def _layouts(pp: int, m: int) -> list[Layout]:
+    """The schedules worth trying with ``pp`` ranks and ``m`` micro-batches: every one of :data:`SEARCHED` that
+    takes that shape (the builders say which run several stages per rank)."""
     out = []
     for name in SEARCHED:
         if pp == 1 and name != _ONE_STAGE:
             continue
-        v = _VIRTUAL if BUILDERS[name].virtual else 1
-        try:
-            schedule = cached_schedule(name, pp * v, m, v)
-        except ValueError:  # a shape the schedule cannot take (interleaved: m a multiple of pp)
+        builder = BUILDERS[name]
+        v = _VIRTUAL if builder.virtual else 1
+        # Shapes a schedule cannot take (interleaved: m a multiple of pp; DualPipeV: m >= 2 pp), told by its
+        # builder without building it.
+        if (builder.whole_rounds and m % pp) or m < builder.least_rounds * pp:
             continue
-        # A split backward (zero-bubble) does not combine with checkpointing: Pipeline refuses it.
-        out += [(name, v, ckpt) for ckpt in ((False,) if schedule.splits_backward else (False, True))]
+        out.append(Layout(name, v))
     return out
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """One combination of the memory options a layout is tried with."""
+
+    checkpointing: Checkpointing
+    gather: Gather = "step"
+    offload_optimizer: bool = False
+    offload_activations: bool = False
+
+
+def memory_choices(fsdp: int, n_virtual: int, *, host: bool) -> list[MemoryChoice]:
+    """The memory options worth trying for a layout of ``fsdp`` shards and ``n_virtual`` stages per rank.
+
+    FSDP gathers per micro-batch only with ``fsdp > 1`` and several stages per rank (with one, it holds as much
+    at its fullest as gathering once a step: :func:`~stagewise.plan.rank_memory.whole_copies`). Offloading only
+    where the host is described (``host``); activations not under whole-layer checkpointing, which keeps only
+    each layer's input.
+    """
+    gathers: tuple[Gather, ...] = GATHERS if fsdp > 1 and n_virtual > 1 else ("step",)
+    flags = (False, True) if host else (False,)
+    return [
+        MemoryChoice(ckpt, gather, opt, act)
+        for ckpt in CHECKPOINTING
+        for gather in gathers
+        for opt in flags
+        for act in flags
+        if not (act and ckpt is True)
+    ]
 
 
 def _divisors(n: int) -> list[int]:
@@ -74,8 +117,10 @@ def candidates(
     max_microbatches: int = 128,
     tp_degrees: Sequence[int] = (),
     gpus_per_node: int = 8,
+    host: bool = False,
 ) -> list[Option]:
-    """Every layout worth simulating on ``n_devices``: pp x dp x fsdp x tp = n_devices, m, schedule, checkpointing.
+    """Every layout worth simulating on ``n_devices``: pp x dp x fsdp x tp = n_devices, m, schedule, and the
+    memory options (:func:`memory_choices`; offloading with ``host``, where the cluster describes its host).
 
     ``tp_degrees``: the tensor-parallel degrees the model's plan can take (each dividing ``gpus_per_node``, so a
     group stays within a node). Sharded layouts (fsdp or tp above 1) are tried with at least ``pp`` micro-batches
@@ -94,9 +139,22 @@ def candidates(
                     ms = _microbatches(global_batch // ranks, max_microbatches, least=pp if sharded else 1)
                 for m in ms:
                     out += [
-                        Option(pp, dp, v, m, name, ckpt, fsdp=fsdp, tp=tp)
-                        for name, v, ckpt in _layouts(pp, m)
-                        if not (sharded and name == "gpipe")
+                        Option(
+                            pp,
+                            dp,
+                            layout.n_virtual,
+                            m,
+                            layout.schedule,
+                            choice.checkpointing,
+                            fsdp=fsdp,
+                            tp=tp,
+                            fsdp_gather=choice.gather,
+                            offload_optimizer=choice.offload_optimizer,
+                            offload_activations=choice.offload_activations,
+                        )
+                        for layout in _layouts(pp, m)
+                        if not (sharded and layout.schedule == "gpipe")
+                        for choice in memory_choices(fsdp, layout.n_virtual, host=host)
                     ]
     return out
 
@@ -129,7 +187,7 @@ def plan(
     """
     considered = list(options) if options is not None else candidates(
         cluster.n_devices, len(workload.costs), workload.global_batch, tp_degrees=tensor_parallel_degrees(workload),
-        gpus_per_node=cluster.gpus_per_node,
+        gpus_per_node=cluster.gpus_per_node, host=cluster.offloads,
     )  # fmt: skip
     if top is not None:
         found = search(considered, workload, cluster, top)

@@ -5,13 +5,52 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from stagewise.partition import LayerCost, MemoryModel
+from stagewise.plan.option import Option
 from stagewise.schedule import Schedule
+from stagewise.schedule.holdings import Holding
+
+OFFLOADED_IN_FLIGHT = 2
+"""Micro-batches of a stage whose saved activations stay on the device with activation offloading: the one its
+action computes (sent to the host as it goes) and the one brought back ahead of the next backward."""
 
 
-def state_multiplier(multiplier: float, fsdp: int) -> float:
-    """Copies of each parameter a rank holds at its fullest: without FSDP, ``multiplier`` (weights, gradients,
-    optimizer state); with it, ``1/fsdp`` of those plus, during the step, the whole parameters and gradients."""
-    return multiplier if fsdp == 1 else 2 + multiplier / fsdp
+def whole_copies(option: Option) -> float:
+    """Whole (unsharded) copies of each parameter of a rank's stages that a rank with FSDP holds at its fullest.
+
+    Gathered once a step (``fsdp_gather="step"``): the whole parameters and the whole gradients of every stage,
+    2. Gathered per action (``"micro-batch"``): the whole parameters of the action running and of the one
+    prefetched, and the whole gradients of the backward running, of one stage each; over ``v`` stages per rank,
+    ``(min(v, 2) + 1) / v`` per parameter (with one stage per rank both actions gather the same stage: 2, as
+    once a step).
+    """
+    if option.fsdp_gather == "step":
+        return 2.0
+    v = option.n_virtual
+    return (min(v, 2) + 1) / v
+
+
+def state_multiplier(multiplier: float, option: Option) -> float:
+    """Copies of each parameter a rank holds on its device at its fullest: without FSDP, ``multiplier`` (weights,
+    gradients, optimizer state); with it, ``1/fsdp`` of those plus the whole parameters and gradients it
+    gathers (:func:`whole_copies`). With the optimizer offloaded (FSDP2's CPU offload, ``fsdp >= 1``) the
+    sharded state lives on the host: only the whole copies stay."""
+    if option.offload_optimizer:
+        return whole_copies(option)
+    if option.fsdp == 1:
+        return multiplier
+    return whole_copies(option) + multiplier / option.fsdp
+
+
+def host_multiplier(multiplier: float, option: Option) -> float:
+    """Copies of each parameter a rank keeps in host memory: with the optimizer offloaded, its ``1/fsdp`` share
+    of the weights, gradients and optimizer state; else none."""
+    return multiplier / option.fsdp if option.offload_optimizer else 0.0
+
+
+def offloaded(moments: tuple[tuple[Holding, ...], ...]) -> tuple[tuple[Holding, ...], ...]:
+    """Holdings with activation offloading: each moment holds at most :data:`OFFLOADED_IN_FLIGHT` micro-batches'
+    saved activations on the device (the rest are on the host); output gradients waiting for W stay."""
+    return tuple(tuple(Holding(min(h.in_flight, OFFLOADED_IN_FLIGHT), h.pooled) for h in stage) for stage in moments)
 
 
 def working(costs: Sequence[LayerCost], layers: Sequence[int], recompute: float, loss: float) -> float:

@@ -61,7 +61,7 @@ def _exact(setting: Setting, workload: Workload, cluster: Cluster, bar: float) -
     extra = overheads(setting, part, workload, cluster)
     if extra.step(pipeline_floor(setting, costs)) > bar:
         return None
-    return measured(setting, part, simulate(setting.schedule, costs), extra, workload)
+    return measured(setting, part, simulate(setting.schedule, costs), extra, workload, cluster)
 
 
 def search(candidates: Sequence[Option], workload: Workload, cluster: Cluster, top: int) -> Searched:
@@ -97,6 +97,8 @@ def search(candidates: Sequence[Option], workload: Workload, cluster: Cluster, t
             skipped[index] = option
         elif isinstance(found, Rejection):
             refused[index] = rejected(option, found)
+        elif found.rejected is not None:  # its host memory overflows
+            refused[index] = found
         else:
             fitting[index] = found
             ranking.add(index, found)

@@ -6,18 +6,22 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from stagewise.partition import LayerCost, MemoryModel, memory_model
 from stagewise.partition.auto import params_of
 from stagewise.partition.layers import SharedParameter
 from stagewise.plan.cluster import Cluster, Device
-from stagewise.plan.option import Option
-from stagewise.plan.rank_memory import state_multiplier, working
+from stagewise.plan.option import Checkpointing, Option
+from stagewise.plan.rank_memory import OFFLOADED_IN_FLIGHT, host_multiplier, offloaded, state_multiplier, working
 from stagewise.plan.rejection import Rejection, recompute_rejection, shape_rejection, transient_rejection
 from stagewise.plan.tensor_parallel import collective_seconds, split_costs, split_ties
-from stagewise.plan.time_model import layer_times
+from stagewise.plan.time_model import Overlapped, action_seconds, gather_seconds, layer_seconds, recompute_seconds
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, ScheduleName, build, holdings, peak_in_flight
+from stagewise.schedule.builders import BUILDERS
 from stagewise.schedule.holdings import FREE, Holding
 
 
@@ -55,14 +59,34 @@ def cached_shape(name: ScheduleName, n_stages: int, n_microbatches: int, n_virtu
     return ScheduleShape(peak_in_flight(schedule), schedule.splits_backward)
 
 
+@functools.lru_cache(maxsize=1024)
+def stage_ranks(name: ScheduleName, n_ranks: int, n_virtual: int) -> tuple[int, ...]:
+    """Per stage: the rank a built-in schedule places it on (its :attr:`~stagewise.schedule.Builder.placement`,
+    else round robin), without building the schedule."""
+    placement = BUILDERS[name].placement
+    if placement is not None:
+        return placement(n_ranks)
+    return tuple(s % n_ranks for s in range(n_ranks * n_virtual))
+
+
+@functools.lru_cache(maxsize=64)
+def splits_backward(name: ScheduleName, n_virtual: int) -> bool:
+    """Whether the built-in schedule ``name`` splits its backward into I and W (read off a small one it builds:
+    two ranks of ``n_virtual`` stages, four micro-batches)."""
+    return build(name, 2 * n_virtual, 4, n_virtual=n_virtual).splits_backward
+
+
 def clear_caches() -> None:
     """Forget the schedules built and what was worked out of them, as a fresh process starts (for timing a search)."""
-    for cache in (cached_schedule, cached_holdings, cached_shape):
+    for cache in (cached_schedule, cached_holdings, cached_shape, stage_ranks, splits_backward):
         cache.cache_clear()
 
 
-def scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, input_bytes: float) -> list[LayerCost]:
-    """Costs of a micro-batch ``factor`` times the profiled one; with checkpointing, only layer inputs are kept.
+def scaled(
+    costs: Sequence[LayerCost], factor: float, checkpointing: Checkpointing, input_bytes: float
+) -> list[LayerCost]:
+    """Costs of a micro-batch ``factor`` times the profiled one; with checkpointing, only layer inputs are kept
+    (and, selective, the outputs of its matmuls and fused attention, :attr:`LayerCost.selective_bytes`).
 
     The last layer also holds what the loss saves for backward, taken as one
     tensor the size of the model's output (cross-entropy keeps its
@@ -72,7 +96,10 @@ def scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, input
     out = []
     previous = input_bytes
     for index, c in enumerate(costs):
-        saved = previous if checkpointing else c.saved_bytes * factor
+        if checkpointing == "selective":
+            saved = previous + c.selective_bytes * factor
+        else:
+            saved = previous if checkpointing else c.saved_bytes * factor
         if index == len(costs) - 1:
             saved += c.output_bytes * factor  # the loss keeps a tensor the size of the output (log-softmax, error)
         out.append(
@@ -87,10 +114,50 @@ def scaled(costs: Sequence[LayerCost], factor: float, checkpointing: bool, input
                 pooled_bytes=int(c.pooled_bytes * factor),
                 use_bytes=int(c.use_bytes * factor),
                 working_bytes=int(c.working_bytes * factor),
+                selective_bytes=int(c.selective_bytes * factor),
+                recompute_flops=int(c.recompute_flops * factor),
+                recompute_bytes=int(c.recompute_bytes * factor),
             )
         )
         previous = c.output_bytes * factor
     return out
+
+
+@dataclass(frozen=True)
+class RangeSums:
+    """What every range of a workload's layers holds, ``[start, stop]`` the sum over layers ``start:stop``: what
+    the search's fit test (:func:`~stagewise.plan.bounds.can_fit`) costs each possible stage with."""
+
+    params: np.ndarray
+    """Parameter bytes, a tied parameter's left out (times the copies a rank keeps of each: its state)."""
+    buffers: np.ndarray
+    kept: np.ndarray
+    """Saved activation bytes of one micro-batch, a tensor two neighbours save left out."""
+    pooled: np.ndarray
+    """Bytes a micro-batch waiting for a split backward's W keeps (pooled linears' and use bytes)."""
+    ahead: np.ndarray
+    """Where ``stop > start``: no stage is empty."""
+    param_scale: float
+    scale: float
+    """Magnitudes of the sums (parameters, the rest), for a tolerance of rounding."""
+
+    @classmethod
+    def of(cls, costs: Sequence[LayerCost], shared: Sequence[SharedParameter]) -> RangeSums:
+        params = np.array([float(c.param_bytes) for c in costs], dtype=np.float64)
+        for tie in shared:
+            params[list(tie.indices)] -= tie.nbytes
+        buffers = np.array([float(c.buffer_bytes) for c in costs], dtype=np.float64)
+        kept = np.array([float(c.saved_bytes) - float(c.shared_bytes) for c in costs], dtype=np.float64)
+        pooled = np.array([float(c.pooled_bytes + c.use_bytes) for c in costs], dtype=np.float64)
+
+        def ranges(values: np.ndarray) -> np.ndarray:
+            sums = np.concatenate(([0.0], np.cumsum(values)))
+            return np.asarray(sums[None, :] - sums[:, None])
+
+        ahead = np.triu(np.ones((len(costs) + 1, len(costs) + 1), dtype=bool), k=1)
+        rest = float(np.abs(buffers).sum() + np.abs(kept).sum() + np.abs(pooled).sum())
+        return cls(ranges(params), ranges(buffers), ranges(kept), ranges(pooled), ahead, float(np.abs(params).sum()),
+                   rest)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -100,17 +167,26 @@ class Layers:
     costs: list[LayerCost]
     seconds: list[tuple[float, float]]
     """Per layer: forward and backward seconds on the fastest device, with tensor parallelism's collectives
-    (backward includes recomputation, and a recomputed forward repeats its collectives)."""
+    (backward includes recomputation, and a recomputed forward repeats its collectives) and what is exposed of
+    FSDP's per-action collectives and activation offloading (:func:`~stagewise.plan.time_model.action_seconds`)."""
+    split: list[tuple[float, float]]
+    """Per layer: the seconds of a split backward's I and W, each with its recomputation."""
     shared: tuple[SharedParameter, ...]
     """The tied parameters, each its bytes on one rank (a tensor-parallel shard where its layers split)."""
     recompute: float
-    """Bytes of one layer's activations recomputed at once under activation checkpointing."""
+    """Bytes of one layer's activations recomputed at once under activation checkpointing (selective: those it
+    does not keep)."""
     loss_extra: float
     """Bytes the loss holds beyond the output-sized tensor counted as saved, on the last stage."""
     working: tuple[float, float]
     """What computing one micro-batch holds on top of the memory model (see
     :func:`~stagewise.plan.rank_memory.working`), whichever layers a stage gets: on a stage without the last layer,
     and on the last stage."""
+
+    @functools.cached_property
+    def range_sums(self) -> RangeSums:
+        """What every range of the layers holds (:class:`RangeSums`)."""
+        return RangeSums.of(self.costs, self.shared)
 
     @functools.cached_property
     def param_bytes(self) -> int:
@@ -123,7 +199,8 @@ class Setting:
     """One option made concrete: its schedule, per-layer costs at its micro-batch size, and its devices."""
 
     option: Option
-    schedule: Schedule
+    placement: tuple[int, ...]
+    """Per stage: the pipeline rank that runs it (the schedule's, known before it is built)."""
     devices: list[Device]
     """Per pipeline rank: the weakest device among its replicas."""
     layers: Layers
@@ -136,10 +213,29 @@ class Setting:
     layers it gets; what the partition must leave free."""
     state: float
     """Copies of each parameter a rank holds at its fullest (:func:`~stagewise.plan.rank_memory.state_multiplier`)."""
+    host_state: float = 0.0
+    """Copies of each parameter a rank keeps in host memory (:func:`~stagewise.plan.rank_memory.host_multiplier`)."""
+
+    @functools.cached_property
+    def peaks(self) -> tuple[int, ...]:
+        """Per stage: the most micro-batches whose saved activations it holds on the device."""
+        peaks = cached_shape(self.option.schedule, self.n_stages, self.option.n_microbatches,
+                             self.option.n_virtual).peaks  # fmt: skip
+        return tuple(min(p, OFFLOADED_IN_FLIGHT) for p in peaks) if self.option.offload_activations else peaks
 
     @property
     def costs(self) -> list[LayerCost]:
         return self.layers.costs
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.placement)
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The option's built schedule, built when first asked for (a search rules most layouts out before)."""
+        o = self.option
+        return cached_schedule(o.schedule, self.n_stages, o.n_microbatches, o.n_virtual)
 
     @property
     def seconds(self) -> list[tuple[float, float]]:
@@ -149,16 +245,21 @@ class Setting:
     def memory(self) -> MemoryModel:
         """What the schedule's own actions hold, with Pipeline's default weight-gradient pool."""
         o = self.option
-        tp, ckpt = o.tp, o.activation_checkpointing
+        ckpt = o.activation_checkpointing is not False
+        pooled = o.fsdp == 1 and o.tp == 1 and not o.offload_activations and not o.offload_optimizer
+        moments = cached_holdings(o.schedule, self.n_stages, o.n_microbatches, o.n_virtual, ckpt, pooled)
         return memory_model(
             self.costs,
             schedule=self.schedule,
-            holdings=cached_holdings(
-                o.schedule, self.schedule.n_stages, o.n_microbatches, o.n_virtual, ckpt, o.fsdp == 1 and tp == 1
-            ),
+            holdings=offloaded(moments) if o.offload_activations else moments,
             state_multiplier=self.state,
             shared=self.layers.shared,
         )
+
+
+def _again(cost: LayerCost, device: Device, checkpointing: Checkpointing) -> float | None:
+    """Seconds of ``cost``'s recomputation under ``checkpointing``; None without it."""
+    return None if checkpointing is False else recompute_seconds(cost, device, checkpointing)
 
 
 class Settings:
@@ -168,7 +269,7 @@ class Settings:
     def __init__(self, workload: Workload, cluster: Cluster) -> None:
         self.workload = workload
         self.cluster = cluster
-        self._layers: dict[tuple[float, bool, int, float], Layers] = {}
+        self._layers: dict[tuple[Any, ...], Layers] = {}
 
     def of(self, option: Option) -> Setting | Rejection:
         """The concrete setting of ``option``, or why it cannot run."""
@@ -178,59 +279,76 @@ class Settings:
             return why
         pp, v, m = option.pp, option.n_virtual, option.n_microbatches
         n_stages = pp * v
-        schedule = cached_schedule(option.schedule, n_stages, m, v)
+        placement = stage_ranks(option.schedule, pp, v)
         factor = workload.global_batch // option.batch_shards // m / workload.profiled_batch
         devices = cluster.stage_devices(pp, option.ranks_per_stage)
-        fastest = max(d.flops for d in devices)
-        layers = self._layers_of(factor, option.activation_checkpointing, option.tp, fastest)
+        fastest = Device(
+            memory=min(d.memory for d in devices),
+            flops=max(d.flops for d in devices),
+            memory_bandwidth=max(d.memory_bandwidth for d in devices),
+        )
+        layers = self._layers_of(factor, option, fastest)
         why = recompute_rejection(layers.recompute, min(d.memory for d in devices) / v, v)
         if why is not None:
             return why
         transient = [layers.working[0]] * (n_stages - 1) + [layers.working[1]]  # only the last has the last layer
-        have = [devices[schedule.rank_of(s)].memory / v for s in range(n_stages)]
+        have = [devices[placement[s]].memory / v for s in range(n_stages)]
         why = transient_rejection(transient, have, layers.recompute, layers.loss_extra, v)
         if why is not None:
             return why
         return Setting(
             option=option,
-            schedule=schedule,
+            placement=placement,
             devices=devices,
             layers=layers,
-            speeds=[devices[schedule.rank_of(s)].flops / fastest for s in range(n_stages)],
+            speeds=[devices[placement[s]].flops / fastest.flops for s in range(n_stages)],
             capacities=[own - t for own, t in zip(have, transient, strict=True)],
             transient=transient,
-            state=state_multiplier(workload.state_multiplier, option.fsdp),
+            state=state_multiplier(workload.state_multiplier, option),
+            host_state=host_multiplier(workload.state_multiplier, option),
         )
 
-    def _layers_of(self, factor: float, checkpointing: bool, tp: int, fastest: float) -> Layers:
-        """The workload's layers at ``factor`` times the profiled micro-batch, on one of ``tp`` ranks, timed on a
-        device of ``fastest`` FLOP/s; once per such shape."""
-        key = (factor, checkpointing, tp, fastest)
+    def _layers_of(self, factor: float, option: Option, fastest: Device) -> Layers:
+        """The workload's layers at ``factor`` times the profiled micro-batch under ``option``'s checkpointing,
+        tensor parallelism, FSDP gathering and offloading, timed on a device as fast as ``fastest``; once per
+        such shape."""
+        gathers = option.fsdp if option.fsdp_gather == "micro-batch" else 1
+        key = (factor, option.activation_checkpointing, option.tp, gathers, option.offload_activations, fastest)
         found = self._layers.get(key)
         if found is None:
-            found = self._layers[key] = self._measure(factor, checkpointing, tp, fastest)
+            found = self._layers[key] = self._measure(factor, option, fastest)
         return found
 
-    def _measure(self, factor: float, ckpt: bool, tp: int, fastest: float) -> Layers:
-        workload = self.workload
+    def _measure(self, factor: float, option: Option, fastest: Device) -> Layers:
+        workload, cluster = self.workload, self.cluster
+        ckpt, tp = option.activation_checkpointing, option.tp
         found = workload.traffic(tp) if tp > 1 else None
         traffic = found if not isinstance(found, str) else None  # a refusal was shape_rejection's
         input_bytes = workload.input_bytes * factor
         costs = split_costs(scaled(workload.costs, factor, ckpt, input_bytes), traffic, tp)
-        recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
+        if ckpt == "selective":
+            recompute = max(c.saved_bytes - c.selective_bytes for c in workload.costs) * factor
+        else:
+            recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
         # What the loss holds beyond the output-sized tensor scaled() counts as saved.
         loss_bytes = workload.loss_bytes
         loss_extra = 0.0 if loss_bytes is None else max(0.0, loss_bytes * factor - costs[-1].output_bytes)
         every = range(len(costs))
         loss_f, loss_b = workload.loss_seconds
-        collectives = collective_seconds(costs, traffic, tp, self.cluster, input_bytes)
-        computed = layer_times(costs, fastest, ckpt, (loss_f * factor, loss_b * factor))
+        collectives = collective_seconds(costs, traffic, tp, cluster, input_bytes)
+        host = cluster.host_bandwidth if option.offload_activations and cluster.host_bandwidth else None
+        actions = []
+        for index, (c, pair) in enumerate(zip(costs, collectives, strict=True)):
+            f, b = layer_seconds(c, fastest.flops)
+            if index == len(costs) - 1:  # the last layer also runs the loss
+                f, b = f + loss_f * factor, b + loss_b * factor
+            gather = gather_seconds(c.param_bytes, option, cluster)
+            moved = Overlapped(gather, gather, 0.0 if host is None else c.saved_bytes / host)
+            actions.append(action_seconds((f, b), pair, _again(c, fastest, ckpt), moved, cluster.side_stream))
         return Layers(
             costs=costs,
-            # A recomputed forward repeats its collectives.
-            seconds=[
-                (f + cf, b + cb + (cf if ckpt else 0.0)) for (f, b), (cf, cb) in zip(computed, collectives, strict=True)
-            ],
+            seconds=[(a.forward, a.backward) for a in actions],
+            split=[(a.input_grad, a.weight_grad) for a in actions],
             shared=split_ties(workload.shared, traffic, tp),
             recompute=recompute,
             loss_extra=loss_extra,

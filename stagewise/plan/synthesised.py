@@ -20,19 +20,21 @@ def synthesised(option: Option, workload: Workload, cluster: Cluster) -> Synthes
     holding at most the micro-batches in flight that ``option``'s own schedule holds there, so the memory the
     plan checked still bounds it; or why none is.
 
-    Only layouts of one stage per rank, without activation checkpointing (a split backward would recompute
-    twice), up to :data:`MOST_RANKS` ranks and :data:`MOST_MICROBATCHES` micro-batches.
+    With several stages per rank, each rank holds at most the fewest that any of its stages holds under
+    ``option``'s schedule (the synthesiser bounds a rank's stages alike), so each stage stays within what the plan
+    checked. The stage costs price a split backward's recomputation twice (I, then W), so a synthesised split
+    backward is costed as checkpointing runs it. Up to :data:`MOST_RANKS` ranks and :data:`MOST_MICROBATCHES`
+    micro-batches.
     """
     p, m = option.pp, option.n_microbatches
     if option.partition is None:
         return f"{option.describe()} has no partition: {option.rejected}"
     if p == 1:
         return "one stage: every schedule is the same gradient accumulation"
-    if option.n_virtual != 1:
-        return f"{option.n_virtual} stages per rank: the synthesiser keeps each rank within its memory per stage"
-    if option.activation_checkpointing:
-        return "activation checkpointing does not combine with a split backward"
     if p > MOST_RANKS or m > MOST_MICROBATCHES:
         return f"{p} ranks and {m} micro-batches: beyond {MOST_RANKS} ranks and {MOST_MICROBATCHES} micro-batches"
-    held = peak_in_flight(cached_schedule(option.schedule, p, m, 1))
-    return synthesise(stage_costs(option, workload, cluster), p, m, limit=[held[s] for s in range(p)])
+    v = option.n_virtual
+    schedule = cached_schedule(option.schedule, p * v, m, v)
+    held = peak_in_flight(schedule)
+    limit = [min(held[s] for s in schedule.stages_of(r)) for r in range(p)]
+    return synthesise(stage_costs(option, workload, cluster), p, m, limit=limit)

@@ -38,6 +38,9 @@ def split_costs(costs: list[LayerCost], traffic: Sequence[LayerTraffic] | None, 
                 time=None if c.time is None else c.time / tp,
                 saved_bytes=int(c.saved_bytes * kept),
                 working_bytes=int(c.working_bytes * kept),
+                selective_bytes=int(c.selective_bytes * kept),
+                recompute_flops=c.recompute_flops // tp,
+                recompute_bytes=int(c.recompute_bytes * kept),
             )
         )
     return out

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from stagewise.partition import LayerCost, MemoryModel, Partition
 from stagewise.plan.cluster import Cluster, Device
-from stagewise.plan.option import Option
+from stagewise.plan.option import Checkpointing, Option
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, StageCosts
 
@@ -28,18 +30,81 @@ def layer_seconds(cost: LayerCost, flops_per_second: float) -> tuple[float, floa
     return cost.forward_flops / flops_per_second, (cost.flops - cost.forward_flops) / flops_per_second
 
 
-def layer_times(
-    costs: Sequence[LayerCost], fastest: float, checkpointing: bool, loss: tuple[float, float]
-) -> list[tuple[float, float]]:
-    """Per layer: forward and backward seconds on a device of ``fastest`` FLOP/s, backward with any recomputation;
-    the last layer also runs the loss, ``loss`` (forward, backward) seconds."""
-    seconds = []
-    for c in costs:
-        f, b = layer_seconds(c, fastest)
-        seconds.append((f, b + f if checkpointing else b))
-    last_f, last_b = seconds[-1]
-    seconds[-1] = (last_f + loss[0], last_b + loss[1])
-    return seconds
+def recompute_seconds(cost: LayerCost, device: Device, checkpointing: Checkpointing) -> float:
+    """Seconds a backward spends recomputing ``cost``'s forward under ``checkpointing`` (collectives aside).
+
+    Whole layers recompute the whole forward. Selective recomputes the ops it does not keep: their FLOPs at
+    the device's speed plus the bytes they read and write at its memory bandwidth
+    (:attr:`~stagewise.partition.LayerCost.recompute_flops`, :attr:`~stagewise.partition.LayerCost.recompute_bytes`);
+    with measured times, that share of the measured forward, the forward taken as its FLOPs plus those bytes.
+    """
+    if checkpointing is False:
+        return 0.0
+    forward = layer_seconds(cost, device.flops)[0]
+    if checkpointing is True:
+        return forward
+    moved = cost.recompute_bytes / device.memory_bandwidth
+    modelled = cost.recompute_flops / device.flops + moved
+    if cost.time is None:
+        return modelled
+    whole = cost.forward_flops / device.flops + moved
+    return forward * modelled / whole if whole > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Overlapped:
+    """Per layer, what moves beside its compute in one micro-batch: seconds on the FSDP shards' links and on
+    the host link, for each action kind."""
+
+    gather: float = 0.0
+    """All-gathering the layer's parameters (before each action, with ``fsdp_gather="micro-batch"``)."""
+    scatter: float = 0.0
+    """Reduce-scattering its gradients (after each B or W)."""
+    host: float = 0.0
+    """Sending its saved activations to the host, or bringing them back (activation offloading)."""
+
+
+@dataclass(frozen=True)
+class ActionSeconds:
+    """Per layer: seconds of each action kind for one micro-batch, with recomputation and what is exposed of the
+    transfers beside it."""
+
+    forward: float
+    backward: float
+    """A whole backward B: recomputation once."""
+    input_grad: float
+    """A split backward's I: recomputation once."""
+    weight_grad: float
+    """A split backward's W: recomputation again (checkpointing recomputes in each backward graph)."""
+
+
+def action_seconds(
+    compute: tuple[float, float],
+    collectives: tuple[float, float],
+    recompute: float | None,
+    moved: Overlapped,
+    overlap: bool,
+) -> ActionSeconds:
+    """One layer's :class:`ActionSeconds` from its ``compute`` (forward, backward) and tensor-parallel
+    ``collectives``, ``recompute`` seconds (None: no checkpointing; a recomputed forward repeats its collectives)
+    and what is ``moved`` beside it, which costs what it takes beyond the compute where the device ``overlap``-s
+    it, else adds to it."""
+    (f, b), (cf, cb) = compute, collectives
+    again = 0.0 if recompute is None else recompute + cf
+    kinds = {
+        "forward": (f + cf, _beside(moved.gather, moved.host, overlap)),
+        "backward": (b + cb + again, _beside(moved.gather + moved.scatter, moved.host, overlap)),
+        "input_grad": (b / 2 + cb + again, _beside(moved.gather, moved.host, overlap)),
+        "weight_grad": (b / 2 + again, moved.gather + moved.scatter),
+    }
+    return ActionSeconds(
+        **{name: (work + beside if not overlap else max(work, beside)) for name, (work, beside) in kinds.items()}
+    )
+
+
+def _beside(links: float, host: float, overlap: bool) -> float:
+    """Seconds of transfers on two links: at once where the device overlaps them, else one after the other."""
+    return max(links, host) if overlap else links + host
 
 
 def stage_times(
@@ -49,16 +114,24 @@ def stage_times(
     memory: MemoryModel | None,
     stages: Sequence[range],
     cluster: Cluster,
+    split: Sequence[tuple[float, float]] | None = None,
 ) -> StageCosts:
     """What each stage of the partition ``stages`` costs per micro-batch: compute (``seconds`` per layer on the
-    fastest device, over each stage's relative ``speeds``), the transfer of its boundary activation, and the
-    activations it keeps (from ``memory``, where given)."""
+    fastest device, over each stage's relative ``speeds``; ``split``: each layer's I and W seconds where not
+    half of its backward each), the transfer of its boundary activation, and the activations it keeps (from
+    ``memory``, where given)."""
     n_stages = len(stages)
     boundary = [costs[stages[s].stop - 1].output_bytes for s in range(max(n_stages - 1, 1))]
+
+    def summed(values: Sequence[tuple[float, float]], which: int) -> list[float]:
+        return [sum(values[i][which] for i in r) / speeds[s] for s, r in enumerate(stages)]
+
     return StageCosts.of(
         n_stages,
-        forward=[sum(seconds[i][0] for i in r) / speeds[s] for s, r in enumerate(stages)],
-        backward=[sum(seconds[i][1] for i in r) / speeds[s] for s, r in enumerate(stages)],
+        forward=summed(seconds, 0),
+        backward=summed(seconds, 1),
+        input_grad=None if split is None else summed(split, 0),
+        weight_grad=None if split is None else summed(split, 1),
         transfer=[cluster.link_latency + x / cluster.link_bandwidth for x in boundary] if n_stages > 1 else 0.0,
         activation_bytes=None if memory is None else [memory.kept(r.start, r.stop) for r in stages],
     )
@@ -69,20 +142,43 @@ def sync_seconds(rank_params: Sequence[float], option: Option, cluster: Cluster)
     per rank, tensor-parallel shards already): DDP's ring all-reduce over ``dp``; with FSDP, the all-gather of the
     parameters and the reduce-scatter of the gradients over ``fsdp`` and (HSDP) the all-reduce of the shards over
     ``dp``. Each at the bandwidth of its group's span in rank order (within a node or across)."""
-    dp, fsdp, tp = option.dp, option.fsdp, option.tp
+    dp, fsdp = option.dp, option.fsdp
     largest = max(rank_params)
     replicas = cluster.bandwidth(option.ranks_per_stage)
     if fsdp == 1:
         return ring_seconds(largest, dp, replicas, cluster.link_latency, all_reduce=True) if dp > 1 else 0.0
-    shards = cluster.sharding_bandwidth or cluster.bandwidth(fsdp * tp)
-    gather = ring_seconds(largest, fsdp, shards, cluster.link_latency, all_reduce=False)
+    gather = ring_seconds(largest, fsdp, shard_bandwidth(option, cluster), cluster.link_latency, all_reduce=False)
     across = ring_seconds(largest / fsdp, dp, replicas, cluster.link_latency, all_reduce=True) if dp > 1 else 0.0
-    return 2 * gather + across
+    # Gathered per action, the shards' collectives are in each action's seconds (gather_seconds).
+    return across + (2 * gather if option.fsdp_gather == "step" else 0.0)
 
 
-def optimizer_seconds(rank_params: Sequence[float], devices: Sequence[Device], workload: Workload, fsdp: int) -> float:
+def shard_bandwidth(option: Option, cluster: Cluster) -> float:
+    """Bytes per second of FSDP's all-gather and reduce-scatter over ``option``'s shards."""
+    return cluster.sharding_bandwidth or cluster.bandwidth(option.fsdp * option.tp)
+
+
+def gather_seconds(param_bytes: float, option: Option, cluster: Cluster) -> float:
+    """An all-gather (or a reduce-scatter) of ``param_bytes`` over ``option``'s FSDP shards, latency aside (it is
+    paid once per stage-action, not per layer); 0 unless it gathers per micro-batch."""
+    if option.fsdp_gather != "micro-batch" or option.fsdp == 1:
+        return 0.0
+    return ring_seconds(param_bytes, option.fsdp, shard_bandwidth(option, cluster), 0.0, all_reduce=False)
+
+
+def optimizer_seconds(
+    rank_params: Sequence[float], devices: Sequence[Device], workload: Workload, option: Option, cluster: Cluster
+) -> float:
     """The slowest rank's optimizer step (on its ``1/fsdp`` shard): measured per parameter, or its state read and
-    written at memory speed."""
+    written at memory speed. Offloaded (``option.offload_optimizer``): the gradients sent to the host and the
+    parameters back at :attr:`Cluster.host_bandwidth`, and the state read and written by the host at its share
+    of :attr:`Cluster.host_optimizer_bandwidth`."""
+    fsdp = option.fsdp
+    if option.offload_optimizer:
+        largest = max(rank_params) / fsdp
+        transfers = 2 * largest / (cluster.host_bandwidth or math.inf)
+        host = cluster.host_optimizer_bandwidth / cluster.gpus_per_node
+        return transfers + largest * workload.state_multiplier * 3 / host
     per_param = workload.optimizer_seconds_per_param
     return max(
         x / fsdp / 4 * per_param

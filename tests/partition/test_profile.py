@@ -332,3 +332,23 @@ def test_working_bytes_count_what_a_layers_backward_holds_for_a_moment() -> None
     costs = profile(model, torch.zeros(3, 4))
     assert [c.working_bytes for c in costs] == [3 * 8 * 4, 2 * 3 * 8 * 4, 2 * 3 * 8 * 4, 3 * 600 * 4 + 3 * 8 * 4]
     assert costs == profile(model.to("meta"), torch.zeros(3, 4, device="meta"))  # the same on meta
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_selective_checkpointing_keeps_the_matmuls_outputs_and_recomputes_the_rest_by_their_bytes(device: str) -> None:
+    # A batch of 4: fc1's output (4 x 16 floats) and fc2's (4 x 8) are kept; GELU reads 4 x 16 floats and writes
+    # as many, which selective checkpointing recomputes, with no FLOPs torch counts.
+    (cost,) = profile(nn.Sequential(_Block()).to(device), torch.randn(4, 8, device=device))
+    assert cost.selective_bytes == 4 * 16 * 4 + 4 * 8 * 4
+    assert cost.recompute_bytes == 2 * 4 * 16 * 4
+    assert cost.recompute_flops == 0
+    assert cost.selective_bytes < cost.saved_bytes

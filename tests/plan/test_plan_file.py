@@ -64,8 +64,13 @@ def test_the_schema_is_trains_own() -> None:
     [
         (text(optimizer="lion"), 'the plan\'s "optimizer" is "lion", not one of "adamw", "sgd", or null; write one '
          'of "adamw", "sgd" (the optimizers train has)'),
-        (text(activation_checkpointing="no"), 'the plan\'s "activation_checkpointing" is "no", not true or false (a '
-         "JSON boolean); write true or false, without quotes"),
+        (text(activation_checkpointing="no"), 'the plan\'s "activation_checkpointing" is "no", not true, false or '
+         '"selective"; write true or false without quotes, or "selective"'),
+        (text(fsdp_gather="always"), 'the plan\'s "fsdp_gather" is "always", not one of "step", "micro-batch"; write '
+         'one of "step", "micro-batch"'),
+        (text(offload_optimizer="yes"), 'the plan\'s "offload_optimizer" is "yes", not true or false (a JSON '
+         "boolean); write true or false, without quotes"),
+        (text(offload_activations=1), 'the plan\'s "offload_activations" is 1, not true or false (a JSON boolean)'),
         (text(partition=[0, 2.5, 7]), 'the plan\'s "partition" is [0, 2.5, 7], not a list of whole numbers (JSON '
          "integers) that starts at 0 and increases strictly; give the stage bounds"),
         (text(partition=[0, 3, 3]), 'the plan\'s "partition" is [0, 3, 3], not a list of whole numbers'),
