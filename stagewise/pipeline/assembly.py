@@ -249,7 +249,7 @@ def _place(
         compute=options.compute, fusion=fusion, compiled=compiled,
     )  # fmt: skip
     batch_norm = statistics_source(options.batch_norm, layers, n_microbatches)
-    split = split_stages(stages, layers, shared, mesh, options.tensor_parallel) if mesh.layout.tp > 1 else []
+    split = split_stages(stages, layers, shared, mesh, options, model) if mesh.layout.tp > 1 else []
     sharded = None if sharding is None else ShardedStages.over(stages, mesh, sharding)
     names = ModelNames(keys, tuple(shared))
     return _Placed(stages, names, fusion, batch_norm, compiled, split, sharded)

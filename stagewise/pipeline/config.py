@@ -43,6 +43,24 @@ itself, or submodule names relative to it mapped to styles (torch's ``ColwisePar
 split the layer over ``tp`` ranks raises ``ValueError`` saying what would fit. The layers' outputs must be whole
 (replicated) tensors, as a row-wise split's are, since they travel to the next stage as they are."""
 
+TensorParallelStyle = Literal[
+    "colwise", "rowwise", "replicate", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+    "embedding_rowwise", "embedding_colwise", "replicated_with_grad_allreduce",
+]  # fmt: skip
+"""How a path-keyed plan splits a module's parameters over the ``tp`` ranks, by the names Hugging Face's
+``tp_plan`` uses. "colwise": a linear layer's output features (``nn.Linear``'s weight by rows and its bias; GPT-2's
+``Conv1D``, whose weight is stored ``[in, out]``, by columns), an embedding's features. "rowwise": a linear layer's
+input features (the bias stays whole), an embedding's rows (the vocabulary). "replicate": whole on every rank.
+"colwise_rep" and "colwise_gather_output" split as "colwise", "rowwise_rep" and "rowwise_split_input" as "rowwise",
+"embedding_rowwise" as "rowwise", "embedding_colwise" as "colwise", "replicated_with_grad_allreduce" as "replicate"
+(Hugging Face's variants differ in where the activations are gathered, which stagewise leaves to DTensor)."""
+
+TensorParallelPaths = Mapping[str, TensorParallelStyle]
+"""A plan keyed by path: parameter or module names of the unsplit model (``*`` stands for any one dotted
+component, as in Hugging Face's ``tp_plan``: ``"model.layers.*.self_attn.q_proj"``) to a
+:data:`TensorParallelStyle`. A module's key applies to its own parameters (``weight``, ``bias``); a parameter's key
+to that parameter, before its module's. Every key must name something in the model."""
+
 CheckpointingPolicy = Callable[[str], "bool | SelectiveCheckpointing"]
 """``policy(layer)``: what the layer named ``layer`` (``"blocks.3"``) recomputes in backward: False (nothing), True
 (its whole forward) or a :class:`SelectiveCheckpointing`."""
@@ -413,10 +431,13 @@ class PipelineOptions:
     """How stages are sharded over the mesh's ``fsdp`` ranks: "auto" shards them with ``FullySharded()`` where
     the mesh does (``fsdp > 1``, or ``tp > 1`` with ``dp > 1``), else not at all; a :class:`FullySharded` wraps
     them so on any mesh."""
-    tensor_parallel: TensorParallelPlan | None = None
-    """Which modules of each layer are split over the mesh's ``tp`` ranks, and how (a
-    :data:`~stagewise.pipeline.TensorParallelPlan`, e.g. :func:`stagewise.models.gpt_parallel.plan`
-    for stagewise's GPT); needed when the mesh has ``tp > 1``; None: no plan."""
+    tensor_parallel: TensorParallelPlan | TensorParallelPaths | Literal["model"] | None = None
+    """Which modules of each layer are split over the mesh's ``tp`` ranks, and how: a
+    :data:`~stagewise.pipeline.TensorParallelPlan` (a function of each layer's module, e.g.
+    :func:`stagewise.models.gpt_parallel.plan` for stagewise's GPT); a :data:`TensorParallelPaths` mapping of
+    parameter or module paths of the unsplit model to styles (``{"model.layers.*.mlp.up_proj": "colwise", ...}``),
+    which splits captured models (Hugging Face's) too; or "model": the Hugging Face model's own ``tp_plan`` (its
+    config's ``base_model_tp_plan`` and its head's). Needed when the mesh has ``tp > 1``; None: no plan."""
     batch_norm: BatchNormStatistics = "auto"
     """Which batch moves the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``)
     of the model's batch norms (every ``torch.nn.modules.batchnorm._BatchNorm`` that tracks them) in training.
@@ -452,14 +473,34 @@ class PipelineOptions:
                 f"{self.fully_sharded!r}; pass FullySharded(...) to shard the stages on any mesh, or 'auto' to "
                 "shard them where the mesh has fsdp > 1"
             )
-        if self.tensor_parallel is not None and not callable(self.tensor_parallel):
-            raise TypeError(
-                f"PipelineOptions.tensor_parallel must be callable (a layer's module to its plan), got "
-                f"{type(self.tensor_parallel).__name__}"
-            )
+        _check_tensor_parallel(self.tensor_parallel)
         if self.batch_norm not in (choices := get_args(BatchNormStatistics)):
             raise ValueError(
                 f"PipelineOptions.batch_norm must be one of {', '.join(map(repr, choices))}, got {self.batch_norm!r}"
+            )
+
+
+def _check_tensor_parallel(plan: object) -> None:
+    """Refuse a ``PipelineOptions.tensor_parallel`` that is no plan: not callable, a mapping, "model" or None, a
+    mapping with a key that is no path, or a style stagewise does not take."""
+    if plan is None or plan == "model" or (callable(plan) and not isinstance(plan, Mapping)):
+        return
+    if not isinstance(plan, Mapping):
+        raise TypeError(
+            f"PipelineOptions.tensor_parallel must be callable (a layer's module to its plan), a mapping of "
+            f"parameter or module paths to styles, 'model' or None, got {plan!r}"
+        )
+    accepted = get_args(TensorParallelStyle)
+    for key, style in plan.items():
+        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+            raise TypeError(
+                f"PipelineOptions.tensor_parallel's keys must be dotted paths such as 'model.layers.*.mlp.up_proj', "
+                f"got {key!r}"
+            )
+        if style not in accepted:
+            raise ValueError(
+                f"PipelineOptions.tensor_parallel maps {key!r} to {style!r}, which stagewise does not take; "
+                f"use one of {', '.join(map(repr, accepted))}"
             )
 
 

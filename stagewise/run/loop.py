@@ -22,6 +22,7 @@ from stagewise.models import CNNConfig, GPTConfig, MLPConfig, ModelConfig, gpt_p
 from stagewise.models.synthetic import pattern_images, teacher_regression
 from stagewise.partition import Layer, Partition, balance, balance_costs, layers_of, profile, shared_parameters
 from stagewise.partition.call_spec import Inputs
+from stagewise.partition.segment import Segment
 from stagewise.pipeline import (
     Batch,
     Compute,
@@ -149,9 +150,10 @@ def preflight(config: TrainConfig) -> None:
     model's layers against the stages, the schedule, the data and the batches. A launcher calls it before it
     starts any process, so a bad value is one message rather than a traceback from every rank."""
     model_config = model_of(config.model)
-    layers = layers_of(_meta_model(config, model_config))
+    model = _meta_model(config, model_config)
+    layers = layers_of(model)
     if config.tp > 1:
-        _check_tensor_parallel(config, model_config, layers)
+        _check_tensor_parallel(config, model_config, model, layers)
     n_stages = config.pp * config.virtual
     part = (
         Partition.from_bounds(config.partition)
@@ -171,15 +173,27 @@ def preflight(config: TrainConfig) -> None:
             )  # fmt: skip
 
 
-def _check_tensor_parallel(config: TrainConfig, model_config: ModelConfig | UserModel, layers: list[Layer]) -> None:
-    """Refuse ``tp > 1`` for a model without a tensor-parallel plan, or one the plan cannot split ``tp`` ways."""
-    if not isinstance(model_config, GPTConfig):
+def _check_tensor_parallel(
+    config: TrainConfig, model_config: ModelConfig | UserModel, model: nn.Module, layers: list[Layer]
+) -> None:
+    """Refuse ``tp > 1`` for a model without a tensor-parallel plan, or one the plan cannot split ``tp`` ways: a
+    GPT preset by its own plan, a Hugging Face model by its config's (``tp_plan``), checked on its captured layers."""
+    if isinstance(model_config, GPTConfig):
+        for layer in layers:
+            gpt_parallel.plan(layer.name, layer.module, config.tp)  # raises, saying which tp would fit
+        return
+    if not isinstance(model_config, UserModel):
         raise ValueError(
-            f"tp={config.tp}: tensor parallelism splits GPT presets' layers, and {config.model} is not one; "
-            "train it with tp=1 (fsdp shards any model)"
+            f"tp={config.tp}: tensor parallelism splits GPT presets' layers and Hugging Face models by their "
+            f"config's tp_plan, and {config.model} is neither; train it with tp=1 (fsdp shards any model)"
         )
+    from stagewise.pipeline.parallel.captured_tensor_parallel import segment_split  # DTensor: only for tp > 1
+    from stagewise.pipeline.parallel.tensor_plan import path_plan
+
+    plan = path_plan("model", model)  # raises where the model has no plan, naming the fix
     for layer in layers:
-        gpt_parallel.plan(layer.name, layer.module, config.tp)  # raises, saying which tp would fit
+        if isinstance(layer.module, Segment):
+            segment_split(layer.module, layer.name, plan, config.tp)  # raises what tp does not divide
 
 
 def _micro(config: TrainConfig) -> int:
@@ -282,7 +296,13 @@ def pipeline_options(config: TrainConfig) -> PipelineOptions:
             else "auto"
         ),
         data_parallel=DataParallel(),
-        tensor_parallel=gpt_parallel.plan if isinstance(model_config, GPTConfig) else None,
+        tensor_parallel=(
+            gpt_parallel.plan
+            if isinstance(model_config, GPTConfig)
+            else "model"
+            if isinstance(model_config, UserModel) and config.tp > 1
+            else None
+        ),
     )
 
 

@@ -264,7 +264,9 @@ def test_compiled_layers_with_tensor_parallelism_are_refused_in_one_line(
         assert message.endswith("compile with tp=1 (fsdp and dp may be above 1), or leave compile off"), message
 
 
-def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> None:
+def test_tensor_parallelism_refuses_a_captured_graph_under_a_function_plan_and_a_missing_plan() -> None:
+    # Captured graphs are split by a mapping of paths to styles (tests/pipeline/test_captured_tensor_parallel.py);
+    # a function plan returns styles for modules, which a graph does not call.
     from stagewise.partition.segment import Segment
     from stagewise.pipeline.parallel.tensor_parallel import parallelize
 
@@ -273,7 +275,7 @@ def test_tensor_parallelism_refuses_a_captured_graph_and_a_missing_plan() -> Non
             return 2
 
     segment = Segment.__new__(Segment)
-    with pytest.raises(ValueError, match=r"^layer blocks\.0 is a captured graph: tensor parallelism splits modules"):
+    with pytest.raises(ValueError, match=r"^layer blocks\.0 is a captured graph, which a function plan cannot split"):
         parallelize([segment], ["blocks.0"], TwoRanks(), gpt_plan)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^the mesh has tp=2 but no tensor-parallel plan was given; pass"):
         parallelize([torch.nn.Linear(2, 2)], ["head"], TwoRanks(), None)  # type: ignore[arg-type]
