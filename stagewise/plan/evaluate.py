@@ -10,7 +10,7 @@ from stagewise.partition import CapacityError, Partition, balance
 from stagewise.partition.auto import params_of
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.option import Option
-from stagewise.plan.rank_memory import rank_activation
+from stagewise.plan.rank_memory import end_multiplier, rank_activation
 from stagewise.plan.rejection import Rejection, memory_rejection
 from stagewise.plan.setting import Setting, Settings, cached_shape
 from stagewise.plan.time_model import optimizer_seconds, stage_times, sync_seconds, tie_seconds
@@ -108,8 +108,14 @@ def measured(
     overflows its share of the node's, :attr:`Cluster.host_share`, rejected)."""
     memory, schedule, layers = setting.memory, setting.schedule, setting.layers
     stages = stage_ranges(part)
-    fixed = [memory.fixed_bytes(mine) for mine in _rank_layers(schedule, stages)]
+    mine = _rank_layers(schedule, stages)
+    fixed = [memory.fixed_bytes(held) for held in mine]
     acts = rank_activation(memory, schedule, layers.costs, stages, layers.recompute, layers.loss_extra)
+    peaks = [f + a for f, a in zip(fixed, acts, strict=True)]
+    ending = end_multiplier(workload.state_multiplier, setting.option)
+    if ending:  # FSDP's reduce-scatter as a step gathered once ends: more whole copies, no activations
+        params = [params_of(setting.costs, layers.shared, held, nbytes=True) for held in mine]
+        peaks = [max(peak, f + (ending - setting.state) * p) for peak, f, p in zip(peaks, fixed, params, strict=True)]
     step = extra.step(result.step_time)
     option = setting.option
     host = host_bytes(setting, part) if option.offload_optimizer or option.offload_activations else []
@@ -119,7 +125,7 @@ def measured(
         partition=part,
         step_time=step,
         bubble=result.bubble,
-        rank_memory=tuple(f + a for f, a in zip(fixed, acts, strict=True)),
+        rank_memory=tuple(peaks),
         rank_activation=tuple(acts),
         rank_host_memory=tuple(host),
         samples_per_second=workload.global_batch / step,

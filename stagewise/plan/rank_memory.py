@@ -15,30 +15,48 @@ action computes (sent to the host as it goes) and the one brought back ahead of 
 
 
 def whole_copies(option: Option) -> float:
-    """Whole (unsharded) copies of each parameter of a rank's stages that a rank with FSDP holds at its fullest.
+    """Whole (unsharded) copies of each parameter of a rank's stages that a rank with FSDP holds amid its
+    activations.
 
     Gathered once a step (``fsdp_gather="step"``): the whole parameters and the whole gradients of every stage,
-    2. Gathered per action (``"micro-batch"``): the whole parameters of the action running and of the one
-    prefetched, and the whole gradients of the backward running, of one stage each; over ``v`` stages per rank,
-    ``(min(v, 2) + 1) / v`` per parameter (with one stage per rank both actions gather the same stage: 2, as
-    once a step).
+    2 (:func:`end_copies` for the reduce-scatter at the step's end). Gathered per action (``"micro-batch"``): the
+    whole parameters and, in a backward, the whole gradients of the stage at work (its parameters are freed before
+    its gradients are reduce-scattered, and the next stage's gather is issued once it is freed); over ``v`` stages
+    per rank, ``2 / v`` per parameter (with one stage per rank, as many as once a step).
     """
     if option.fsdp_gather == "step":
         return 2.0
-    v = option.n_virtual
-    return (min(v, 2) + 1) / v
+    return 2 / option.n_virtual
+
+
+def end_copies(option: Option) -> float:
+    """Whole copies of each parameter a rank with FSDP gathered once a step holds as the step ends, its
+    activations gone: the whole parameters and gradients, and the reduce-scatter's input, a copy of the gradients
+    (3); 0 where the gradients are reduce-scattered per action, amid the activations (:func:`whole_copies`)."""
+    return 3.0 if option.fsdp > 1 and option.fsdp_gather == "step" else 0.0
 
 
 def state_multiplier(multiplier: float, option: Option) -> float:
-    """Copies of each parameter a rank holds on its device at its fullest: without FSDP, ``multiplier`` (weights,
-    gradients, optimizer state); with it, ``1/fsdp`` of those plus the whole parameters and gradients it
-    gathers (:func:`whole_copies`). With the optimizer offloaded (FSDP2's CPU offload, ``fsdp >= 1``) the
-    sharded state lives on the host: only the whole copies stay."""
+    """Copies of each parameter a rank holds on its device amid its activations: without FSDP, ``multiplier``
+    (weights, gradients, optimizer state); with it, ``1/fsdp`` of those plus the whole parameters and gradients it
+    gathers (:func:`whole_copies`), the sharded gradients left out where they are made at the step's end (once a
+    step: ``zero_grad`` left none). With the optimizer offloaded (FSDP2's CPU offload, ``fsdp >= 1``) the sharded
+    state lives on the host: only the whole copies stay."""
     if option.offload_optimizer:
         return whole_copies(option)
     if option.fsdp == 1:
         return multiplier
-    return whole_copies(option) + multiplier / option.fsdp
+    sharded = multiplier - 1 if option.fsdp_gather == "step" else multiplier
+    return whole_copies(option) + sharded / option.fsdp
+
+
+def end_multiplier(multiplier: float, option: Option) -> float:
+    """Copies of each parameter a rank holds on its device as a step gathered once ends (:func:`end_copies`, with
+    the sharded state but its gradients); 0 where that moment is not apart from the activations."""
+    copies = end_copies(option)
+    if not copies or option.offload_optimizer:
+        return copies
+    return copies + (multiplier - 1) / option.fsdp
 
 
 def host_multiplier(multiplier: float, option: Option) -> float:
