@@ -20,13 +20,13 @@ def whole_copies(option: Option) -> float:
 
     Gathered once a step (``fsdp_gather="step"``): the whole parameters and the whole gradients of every stage,
     2 (:func:`end_copies` for the reduce-scatter at the step's end). Gathered per action (``"micro-batch"``): the
-    whole parameters and, in a backward, the whole gradients of the stage at work (its parameters are freed before
-    its gradients are reduce-scattered, and the next stage's gather is issued once it is freed); over ``v`` stages
-    per rank, ``2 / v`` per parameter (with one stage per rank, as many as once a step).
+    whole parameters of the stage at work and, after a backward, its whole gradients and their reduce-scatter's
+    input (the stage is freed after it, and the next stage's gather issued then); over ``v`` stages per rank,
+    ``3 / v`` per parameter (with one stage per rank, more than once a step, amid the activations).
     """
     if option.fsdp_gather == "step":
         return 2.0
-    return 2 / option.n_virtual
+    return 3 / option.n_virtual
 
 
 def end_copies(option: Option) -> float:

@@ -97,9 +97,9 @@ def test_gathering_per_micro_batch_holds_the_shards_and_one_stage_whole_and_hide
     fixed_each = [m - a for m, a in zip(each.rank_memory, each.rank_activation, strict=True)]
     # Weights and Adam's moments sharded over 2 (1.5 GiB a layer; zero_grad left no gradients), plus the whole
     # parameters and gradients of both stages (2 a layer), against the sharded gradients too (0.5) and the whole
-    # parameters and gradients of the stage at work, over two stages (1 a layer).
+    # parameters, gradients and reduce-scatter input of the stage at work, over two stages (1.5 a layer).
     assert fixed == pytest.approx([2 * (1.5 + 2) * GiB] * 2)
-    assert fixed_each == pytest.approx([2 * (2 + 1) * GiB] * 2)
+    assert fixed_each == pytest.approx([2 * (2 + 1.5) * GiB] * 2)
     # Once a step: an all-gather and a reduce-scatter of a rank's 2 GiB; per action they hide under 1 s of compute.
     gather = ring_seconds(2 * GiB, 2, 300e9, 20e-6, all_reduce=False)
     assert step.step_time - each.step_time == pytest.approx(2 * gather, rel=1e-6)

@@ -55,8 +55,8 @@ def test_seventy_billion_on_64_gpus_fits_and_never_exceeds_memory(seventy: Workl
     assert len(top.unranked) > len(top.rejected)
     best = top.options[0]
     assert (best.describe(), round(best.step_time, 2)) == (
-        "pp=8 dp=1 fsdp=8 m=64 interleaved-1f1b +ckpt +gather/mb",
-        53.94,
+        "pp=8 dp=1 fsdp=4 tp=2 m=128 interleaved-1f1b +ckpt +gather/mb",
+        56.52,
     )
     # Every layout of 8 ranks of fsdp=4 x tp=2 evaluated (every layout takes minutes): the same 8 fastest as the search.
     every = [o for o in candidates(64, 83, 512, tp_degrees=(2,)) if o.pp == 8 and o.tp == 2 and o.fsdp == 4]
