@@ -13,7 +13,6 @@ import functools
 import logging
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +25,7 @@ import transformers
 from support import gpt_steps
 from support.hf import Kind, batch, config
 from support.multiproc import run_ranks
+from support.outcomes import each_case
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -202,12 +202,7 @@ def train(case: Case) -> dict[str, Any]:
 
 def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out: dict[str, Any] = {}
-    for case in cases:
-        try:
-            out[case.name] = train(case)
-        except Exception:  # reported by the case's own test
-            out[case.name] = traceback.format_exc()
+    out = each_case(train, cases)
     dist.destroy_process_group()
     return out
 

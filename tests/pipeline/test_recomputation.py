@@ -7,7 +7,6 @@ unsplit model in one process; each case's outcome comes back on its own.
 
 from __future__ import annotations
 
-import traceback
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ import torch.distributed as dist
 from support import gpt_steps
 from support.gpt_steps import BATCH, CLIP, batches
 from support.multiproc import run_ranks
+from support.outcomes import each_case
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stagewise.comm import PipelineMesh, init_mesh
@@ -101,12 +101,7 @@ def train(case: Case) -> dict[str, Any]:
 
 def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
-    out: dict[str, Any] = {}
-    for case in cases:
-        try:
-            out[case.name] = train(case)
-        except Exception:  # reported by the case's own test
-            out[case.name] = traceback.format_exc()
+    out = each_case(train, cases)
     dist.destroy_process_group()
     return out
 

@@ -7,7 +7,6 @@ schedule; each case's outcome comes back on its own, so one failing case fails i
 from __future__ import annotations
 
 import math
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from support import gpt_steps
 from support.gpt_steps import BATCH, CLIP, STEPS, batches
 from support.multiproc import run_ranks
+from support.outcomes import each_case
 from torch.distributed.tensor import DTensor
 
 from stagewise.comm import PipelineMesh, init_mesh
@@ -178,12 +178,7 @@ def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
     _counting("all_gather_single")
     _counting("reduce_scatter_single")
-    out: dict[str, Any] = {}
-    for case in cases:
-        try:
-            out[case.name] = train(case)
-        except Exception:  # reported by the case's own test
-            out[case.name] = traceback.format_exc()
+    out = each_case(train, cases)
     out["mixed dtypes"] = mixed_dtypes()
     out["compiled with tp"] = compiled_with_tp()
     out["skip"] = skipping()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from support import gpt_steps
 from support.gpt_steps import BATCH, CLIP, STEPS, batches
 from support.multiproc import run_ranks
+from support.outcomes import each_case
 from torch.distributed.tensor import DTensor
 
 from stagewise.comm import PipelineMesh, init_mesh
@@ -218,12 +219,7 @@ def train_all(cases: list[Case]) -> dict[str, Any]:
     torch.set_num_threads(1)
     _counting("all_gather_single")
     _counting("reduce_scatter_single")
-    out: dict[str, Any] = {}
-    for case in cases:
-        try:
-            out[case.name] = train(case)
-        except Exception:  # reported by the case's own test
-            out[case.name] = traceback.format_exc()
+    out = each_case(train, cases)
     out["tied on one rank"] = tied_on_one_rank()
     try:
         out["skip"] = skipping()
