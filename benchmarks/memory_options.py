@@ -118,10 +118,11 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2, help="steps per case; the last one is measured")
     parser.add_argument("--timed", action="store_true", help="also predict and measure the step time")
+    parser.add_argument("--predict-only", action="store_true", help="print the planner's predictions, train nothing")
     parser.add_argument("--pp", type=int, default=2, choices=(2, 4), help="pipeline ranks; the other ranks shard")
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     ns = parser.parse_args()
-    link = launch(ring, 4)[0]
+    link = launch(ring, 4)[0]  # the cluster's collectives, measured on the 4 ranks
     m = ns.microbatches
     work = workload_under_load(
         preset_model, (ns.preset, ns.batch // (4 // ns.pp) // m, ns.seq_len), concurrent=4, global_batch=ns.batch,
@@ -138,6 +139,13 @@ def main() -> None:
         option = evaluate(_option(case, m, ns.pp), work, cluster)
         if option.partition is None:
             print(json.dumps({"bench": "memory_options", "case": case.name, "rejected": option.rejected}))
+            continue
+        if ns.predict_only:
+            print(json.dumps({
+                "bench": "memory_options", "preset": ns.preset, "case": case.name, "layout": option.describe(),
+                "partition": list(option.partition.bounds), "predicted_step_s": round(option.step_time, 3),
+                "predicted_mib": [round(b / 2**20, 1) for b in option.rank_memory],
+            }), flush=True)  # fmt: skip
             continue
         config = TrainConfig(
             model=ns.preset, pp=ns.pp, fsdp=4 // ns.pp, virtual=case.virtual, schedule=case.schedule,  # type: ignore[arg-type]
