@@ -259,7 +259,9 @@ class _Run:
         store, anchor = self.store, None
         if fused and split:  # this micro-batch's W computes what its I leaves in a store of its own
             store, anchor = WeightGradientStore(), torch.empty(0, device=x.transport.device, requires_grad=True)
-        joint = split and (s, mb) in self.unfused
+        # One backward over all the uses where DDP synchronises (its hooks fire once), and where the stage
+        # recomputes: each backward through a checkpointed layer recomputes it, so W runs one, not one per use.
+        joint = split and ((s, mb) in self.unfused or x.stages[s].checkpointing)
         pooled = store is not None and store is self.store
         plan = BackwardPlan(
             owners if split else None, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor
