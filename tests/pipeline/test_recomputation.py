@@ -17,8 +17,8 @@ import torch.distributed as dist
 from support import gpt_steps
 from support.gpt_steps import BATCH, CLIP, batches
 from support.multiproc import run_ranks
+from support.ops import Counted
 from support.outcomes import each_case
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from stagewise.comm import PipelineMesh, init_mesh
 from stagewise.models.gpt import GPTConfig
@@ -127,18 +127,6 @@ def test_recomputing_stages_equal_the_unsplit_model(case: Case, outcomes: dict[i
         assert all(got["recomputing"]) == bool(case.recompute), f"rank {rank}: {got['recomputing']}"
 
 
-class _Counted(TorchDispatchMode):
-    """Counts the aten ops run within it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_ops(checkpointing: Any) -> Counter[str]:
     """The ops the backward of a stage of a small GPT's four blocks runs, its recomputation included."""
     torch.manual_seed(0)
@@ -148,7 +136,7 @@ def _backward_ops(checkpointing: Any) -> Counter[str]:
     x = torch.randn(2, 8, 16, requires_grad=True)
     out = stage.run(x)
     assert isinstance(out, torch.Tensor)
-    counted = _Counted()
+    counted = Counted()
     with counted:
         out.square().sum().backward()
     return counted.ops

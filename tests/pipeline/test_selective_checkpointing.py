@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from support.ops import Counted
 from torch.utils.checkpoint import checkpoint
 
 from stagewise.models import GPTConfig
@@ -17,18 +16,6 @@ from stagewise.pipeline.stage.recompute import KeptOutputChangedError, recompute
 
 MM = "aten.addmm.default"
 """A linear with a bias: its forward matmul (the backward's are plain mm)."""
-
-
-class _Counted(TorchDispatchMode):
-    """Counts the aten ops run within it, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _backward_ops(keep: bool | SelectiveCheckpointing) -> tuple[Counter[str], torch.Tensor]:
@@ -42,7 +29,7 @@ def _backward_ops(keep: bool | SelectiveCheckpointing) -> tuple[Counter[str], to
         selective = keep if isinstance(keep, SelectiveCheckpointing) else None
         contexts = functools.partial(recompute_contexts, block, selective)
         out = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
-    counted = _Counted()
+    counted = Counted()
     with counted:
         out.square().sum().backward()
     assert x.grad is not None
@@ -84,7 +71,7 @@ def test_every_backward_through_a_selective_checkpoint_recomputes_the_rest_and_r
     out = checkpoint(block, x, use_reentrant=False, context_fn=contexts)
     want = torch.autograd.grad(block(x).square().sum(), [x, *block.parameters()])
     for _ in range(2):
-        counted = _Counted()
+        counted = Counted()
         with counted:
             got = torch.autograd.grad(out.square().sum(), [x, *block.parameters()], retain_graph=True)
         assert counted.ops[MM] == 0 and counted.ops["aten.gelu.default"] == 1
