@@ -51,10 +51,13 @@ done
 wait
 ! grep -qvx 0 "$FAKE_SLURM"/node*.status  # srun fails when a task does
 """
-# scontrol show hostnames for the simulated job's node list: both "nodes" are this machine.
+# scontrol show hostnames for the simulated job's node list: both "nodes" are this machine. It writes one host
+# at a time, as the real one does for a long list: a reader that stops after the first line stops it (SIGPIPE).
 FAKE_SCONTROL = r"""#!/bin/bash
 [[ "$1 $2 $3" == "show hostnames sim[0-1]" ]] || { echo "fake scontrol: unexpected $*" >&2; exit 1; }
-printf '127.0.0.1\n127.0.0.2\n'
+echo 127.0.0.1
+sleep 0.2
+echo 127.0.0.2
 """
 # torchrun, as far as the Kubernetes script runs it: its arguments are written down, nothing starts.
 FAKE_TORCHRUN = r"""#!/bin/bash
