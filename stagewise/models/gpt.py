@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stagewise.models.moe import MoE, MoEConfig
+
 IGNORE_INDEX = -100
 """The target of a position no loss counts (padding): ``F.cross_entropy``'s default, and Hugging Face's."""
 
@@ -58,6 +60,9 @@ class GPTConfig:
     """Hidden width of each block's MLP; 0 means ``4 * d_model``."""
     tie_embeddings: bool = False
     """Use the token embedding's matrix as the LM head's weight too (as GPT-2 does)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts MLPs in the blocks after ``moe.dense_layers`` (see :class:`~stagewise.models.moe.MoE`);
+    None: every block's MLP is dense."""
 
     def __post_init__(self) -> None:
         for field in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -67,10 +72,19 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.n_heads={self.n_heads} must divide d_model={self.d_model}")
         if self.d_ff < 0:
             raise ValueError(f"GPTConfig.d_ff must be >= 0, got {self.d_ff}")
+        if self.moe is not None and self.moe.dense_layers > self.n_layers:
+            raise ValueError(
+                f"MoEConfig.dense_layers={self.moe.dense_layers} exceeds the {self.n_layers} blocks; choose at most "
+                f"{self.n_layers}"
+            )
 
     @property
     def hidden(self) -> int:
         return self.d_ff or 4 * self.d_model
+
+    def is_moe(self, block: int) -> bool:
+        """Whether block ``block`` (from 0) has a mixture of experts for its MLP."""
+        return self.moe is not None and block >= self.moe.dense_layers
 
     def build(self, *, device: torch.device | str | None = None) -> GPT:
         return GPT(self, device=device)
@@ -145,8 +159,9 @@ class Embedding(nn.Module):
         return self.tokens(ids) + self.positions(positions), documents_of(positions)
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention then an MLP, each residual."""
+class Attention(nn.Module):
+    """The attention half of a pre-norm block: ``x + proj(attention(qkv(norm(x))))``, causal, or within each
+    packed document."""
 
     def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -156,13 +171,9 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(d, device=device)
         self.qkv = nn.Linear(d, 3 * d, device=device)
         self.proj = nn.Linear(d, d, device=device)
-        self.mlp_norm = nn.LayerNorm(d, device=device)
-        self.fc = nn.Linear(d, config.hidden, device=device)
-        self.out = nn.Linear(config.hidden, d, device=device)
 
-    def forward(self, hidden: Hidden) -> Hidden:
-        """The block on the residual stream; with packed documents' indices, attending within each document."""
-        x, documents = hidden if isinstance(hidden, tuple) else (hidden, None)
+    def attend(self, x: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream after the block's attention."""
         b, t, _ = x.shape
         # qkv's outputs are head by head (each head's q, k and v together), so a split of its columns over
         # tensor-parallel ranks gives each rank whole heads: -1 is the heads this rank computes.
@@ -171,8 +182,43 @@ class Block(nn.Module):
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents))
-        x = x + self.proj(attn.transpose(1, 2).flatten(2))
+        out: torch.Tensor = x + self.proj(attn.transpose(1, 2).flatten(2))
+        return out
+
+
+class Block(Attention):
+    """Pre-norm transformer block: causal self-attention then an MLP, each residual."""
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__(config, device=device)
+        d = config.d_model
+        self.mlp_norm = nn.LayerNorm(d, device=device)
+        self.fc = nn.Linear(d, config.hidden, device=device)
+        self.out = nn.Linear(config.hidden, d, device=device)
+
+    def forward(self, hidden: Hidden) -> Hidden:
+        """The block on the residual stream; with packed documents' indices, attending within each document."""
+        x, documents = hidden if isinstance(hidden, tuple) else (hidden, None)
+        x = self.attend(x, documents)
         out: torch.Tensor = x + self.out(F.gelu(self.fc(self.mlp_norm(x))))
+        return out if documents is None else (out, documents)
+
+
+class MoEBlock(Attention):
+    """Pre-norm transformer block whose MLP is a mixture of experts (:class:`~stagewise.models.moe.MoE`)."""
+
+    def __init__(self, config: GPTConfig, *, device: torch.device | str | None = None) -> None:
+        super().__init__(config, device=device)
+        assert config.moe is not None  # GPT builds one only for an MoE config
+        d = config.d_model
+        self.mlp_norm = nn.LayerNorm(d, device=device)
+        self.moe = MoE(config.moe, d, config.moe.expert_width(config.hidden), device=device)
+
+    def forward(self, hidden: Hidden) -> Hidden:
+        """The block on the residual stream; with packed documents' indices, attending within each document."""
+        x, documents = hidden if isinstance(hidden, tuple) else (hidden, None)
+        x = self.attend(x, documents)
+        out: torch.Tensor = x + self.moe(self.mlp_norm(x))
         return out if documents is None else (out, documents)
 
 
@@ -200,7 +246,9 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed = Embedding(config, device=device)
-        self.blocks = nn.ModuleList(Block(config, device=device) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            (MoEBlock if config.is_moe(i) else Block)(config, device=device) for i in range(config.n_layers)
+        )
         self.norm = FinalNorm(config.d_model, device=device)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device)
         if config.tie_embeddings:
