@@ -128,6 +128,11 @@ def _layout_and_schedule(p: argparse.ArgumentParser) -> None:
         help=f"ranks each layer is split over (tensor parallelism, GPT presets; default {d.tp})",
     )  # fmt: skip
     p.add_argument(
+        "--ep", type=args.positive_int,
+        help=f"ranks each mixture-of-experts layer's experts are split over (expert parallelism, MoE presets), "
+        f"borrowed from --fsdp (or, without it, from --dp): adds no processes (default {d.ep})",
+    )  # fmt: skip
+    p.add_argument(
         "--fsdp-gather", choices=get_args(GatherWhen),
         help=f"when FSDP gathers a stage's whole parameters: once per step, or around each action on a micro-batch "
         f"(freed between; gradients reduce-scattered after each backward; default {d.fsdp_gather})",

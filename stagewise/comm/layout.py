@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stagewise.errors import whole_number
 
@@ -49,10 +49,32 @@ class Layout:
     """Ranks each replica shards its stages' parameters, gradients and optimizer state over (FSDP)."""
     tp: int = 1
     """Ranks each layer's matmuls are split over (tensor parallelism)."""
+    ep: int = 1
+    """Ranks each mixture-of-experts layer's experts are split over (expert parallelism). Not a dimension of its
+    own: it borrows from the ranks of a stage that take their own shares of the batch, ``ep`` consecutive ones
+    (see :attr:`expert_shape`). It divides ``fsdp`` (the experts of each group of ``ep`` shards are then
+    replicated over the ``fsdp / ep`` groups), or with ``fsdp = 1`` it divides ``dp``."""
 
     def __post_init__(self) -> None:
         for name in DIMENSIONS:
             _check_dim(name, getattr(self, name))
+        _check_dim("ep", self.ep)
+        borrowed = ("fsdp", self.fsdp) if self.fsdp > 1 else ("dp", self.dp)
+        if borrowed[1] % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide {borrowed[0]}={borrowed[1]}: expert parallelism borrows its ranks from "
+                f"fsdp (or, with fsdp=1, from dp); choose ep among {_divisors(borrowed[1])}, or give "
+                f"{borrowed[0]} a multiple of {self.ep}"
+            )
+
+    @property
+    def expert_shape(self) -> tuple[int, int, int, int, int]:
+        """The grid of ranks as expert parallelism sees it, ``(pp, dp', fsdp', ep, tp)``: each stage's ``dp x fsdp``
+        ranks cut into groups of ``ep`` consecutive ones (each holding one copy of every expert, split), and
+        ``dp' x fsdp'`` copies of each expert. A reshape of the rank grid: rank numbers stay."""
+        if self.fsdp > 1:
+            return (self.pp, self.dp, self.fsdp // self.ep, self.ep, self.tp)
+        return (self.pp, self.dp // self.ep, 1, self.ep, self.tp)
 
     @property
     def world_size(self) -> int:
@@ -71,7 +93,8 @@ class Layout:
     def describe(self) -> str:
         """``pp=2 x dp=1 x fsdp=2 x tp=1``, or ``pp=2 x dp=2`` when nothing is sharded."""
         names = DIMENSIONS if self.fsdp * self.tp > 1 else DIMENSIONS[:2]
-        return " x ".join(f"{name}={getattr(self, name)}" for name in names)
+        grid = " x ".join(f"{name}={getattr(self, name)}" for name in names)
+        return grid if self.ep == 1 else f"{grid} (ep={self.ep})"
 
     def coords(self, rank: int) -> Coords:
         """The place of global ``rank``."""
@@ -155,9 +178,10 @@ def _fill(pp: int | None, dp: int | None, world: int, fsdp: int, tp: int) -> Lay
     return Layout(given, rest, fsdp, tp) if name == "pp" else Layout(rest, given, fsdp, tp)
 
 
-def layout_for(pp: int | None, dp: int | None, world: int, fsdp: int = 1, tp: int = 1) -> Layout:
+def layout_for(pp: int | None, dp: int | None, world: int, fsdp: int = 1, tp: int = 1, ep: int = 1) -> Layout:
     """The layout of ``world`` processes, a ``None`` one of ``pp`` and ``dp`` being the world size over the other
-    dimensions (see :func:`_fill`); refused, saying what would fit, unless it covers them all."""
+    dimensions (see :func:`_fill`), with ``ep`` expert-parallel ranks borrowed from them; refused, saying what would
+    fit, unless it covers them all."""
     layout = _fill(pp, dp, world, fsdp, tp)
     if layout.world_size != world:
         names = "pp and dp" if layout.fsdp * layout.tp == 1 else "pp, dp, fsdp and tp"
@@ -165,4 +189,4 @@ def layout_for(pp: int | None, dp: int | None, world: int, fsdp: int = 1, tp: in
             f"{layout.describe()} = {layout.world_size} processes, but the world size is {world}; "
             f"choose {names} whose product is {world}, or launch {layout.world_size} processes"
         )
-    return layout
+    return layout if ep == 1 else replace(layout, ep=ep)

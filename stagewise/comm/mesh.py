@@ -34,6 +34,8 @@ class PipelineMesh:
     """Seconds: the bound on every collective and point-to-point wait (see :mod:`stagewise.comm.timeouts`)."""
     batch_group: dist.ProcessGroup
     """The ``dp x fsdp`` ranks of this rank's stage with its ``tp_rank``: each takes its own share of the batch."""
+    experts: ExpertGroups | None = None
+    """With ``layout.ep > 1``: the groups of expert parallelism; None without."""
 
     @property
     def coords(self) -> Coords:
@@ -87,6 +89,8 @@ class PipelineMesh:
             except RuntimeError:  # destroyed by an earlier close: torch no longer resolves its name
                 continue
         groups.append(self.batch_group)
+        if self.experts is not None:
+            groups += [self.experts.ep, self.experts.replicas]
         done: set[int] = set()
         for group in groups:
             if group is dist.group.WORLD or id(group) in done:
@@ -123,9 +127,25 @@ class PipelineMesh:
 
 
 @dataclass(frozen=True)
+class ExpertGroups:
+    """Expert parallelism's groups (see :attr:`Layout.expert_shape`)."""
+
+    mesh: DeviceMesh
+    """The 1-D ``("ep",)`` mesh of the ranks this rank's experts are split over (the placement of their DTensors)."""
+    replicas: dist.ProcessGroup
+    """The ranks of this rank's stage holding the same experts as this one, over which their gradients are summed
+    (this rank alone when ``dp x fsdp = ep``)."""
+
+    @property
+    def ep(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+
+@dataclass(frozen=True)
 class _Groups:
     mesh: DeviceMesh
     batch: dist.ProcessGroup
+    experts: ExpertGroups | None
 
 
 def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: float, *, world: bool) -> _Groups:
@@ -157,7 +177,18 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: f
         batch = mine[1]  # the dp group itself
     else:  # the ranks of a stage with one tp rank: grid[s, :, :, t]
         batch = group_of(grid.permute(0, 3, 1, 2).reshape(-1, layout.batch_shards).tolist())
-    return _Groups(mesh, batch)
+    experts = None
+    if layout.ep > 1:
+        pp, dp, fsdp, ep, tp = layout.expert_shape
+        cut = grid.reshape(pp, dp * fsdp, ep, tp)
+        lines = cut.movedim(2, -1).reshape(-1, ep)
+        ep_mesh = DeviceMesh.from_group(
+            group_of(lines.tolist()), device.type, mesh=next(line for line in lines if rank in line),
+            mesh_dim_names=("ep",),
+        )  # fmt: skip
+        replicas = group_of(cut.movedim(1, -1).reshape(-1, dp * fsdp).tolist())
+        experts = ExpertGroups(ep_mesh, replicas)
+    return _Groups(mesh, batch, experts)
 
 
 def init_mesh(
@@ -166,6 +197,7 @@ def init_mesh(
     *,
     fsdp: int = 1,
     tp: int = 1,
+    ep: int = 1,
     backend: Backend | None = None,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> PipelineMesh:
@@ -196,12 +228,12 @@ def init_mesh(
     if backend not in (None, *get_args(Backend)):
         raise ValueError(f"backend must be one of {list(get_args(Backend))} or None (chosen for you), got {backend!r}")
     world, rank = joined()
-    layout = layout_for(pp, dp, world, fsdp, tp)
+    layout = layout_for(pp, dp, world, fsdp, tp, ep)
     chosen, device = backend_and_device(backend, world)
     made = not dist.is_initialized()
     if made:
         init_default_group(chosen, device, world, rank, seconds)
     groups = _device_mesh(layout, device, chosen, seconds, world=made)
-    result = PipelineMesh(groups.mesh, layout, rank, device, chosen, seconds, groups.batch)
+    result = PipelineMesh(groups.mesh, layout, rank, device, chosen, seconds, groups.batch, groups.experts)
     log.info("%s", result.describe())
     return result

@@ -15,6 +15,7 @@ from stagewise.pipeline.config import LossFn, PipelineOptions, WeightGradientFus
 from stagewise.pipeline.execution.executor import Executor
 from stagewise.pipeline.loss.sharing import Sharing
 from stagewise.pipeline.parallel.data_parallel import Replicas
+from stagewise.pipeline.parallel.expert_parallel import ExpertParallel, expert_parallel
 from stagewise.pipeline.parallel.fully_sharded import ShardedStages, fully_sharded, refuse_ties_within_a_rank
 from stagewise.pipeline.parallel.tensor_parallel import split_stages
 from stagewise.pipeline.parallel.tied_weights import Ties
@@ -121,6 +122,8 @@ class Runtime:
     """The layers this rank's stages split over the mesh's ``tp`` ranks (see :mod:`.parallel.tensor_parallel`)."""
     sharded: ShardedStages | None
     """This rank's stages sharded by FSDP; None: whole on every rank of a replica."""
+    experts: ExpertParallel | None
+    """This rank's mixture-of-experts layers with their experts split over ``ep`` ranks; None with ``ep = 1``."""
     ties: Ties
     """The copies of parameters shared with other ranks, kept equal."""
     transport: Transport
@@ -154,6 +157,7 @@ class _Placed:
     compiled: CompiledGraphs | None
     tensor_parallel: list[str]
     sharded: ShardedStages | None
+    experts: ExpertParallel | None
 
 
 def assemble(
@@ -189,8 +193,9 @@ def assemble(
         replicas = None
         if mesh.layout.dp > 1 and placed.sharded is None:
             replicas = Replicas(
-                placed.stages, group=mesh.dp_group, device=mesh.device, config=options.data_parallel, timeout=timeout
-            )
+                placed.stages, group=mesh.dp_group, device=mesh.device, config=options.data_parallel, timeout=timeout,
+                ignored=_split_experts(placed),
+            )  # fmt: skip
         norms = _deferred_norms(placed, mesh)
         position = mesh.stage
         executor = Executor(
@@ -204,8 +209,8 @@ def assemble(
         undo.pop_all()
     return Runtime(
         position, placed.stages, placed.model_names, placed.fusion, placed.batch_norm, placed.compiled,
-        placed.tensor_parallel, placed.sharded, ties, transport, Sharing(mesh, transport, timeout), replicas, norms,
-        executor,
+        placed.tensor_parallel, placed.sharded, placed.experts, ties, transport, Sharing(mesh, transport, timeout),
+        replicas, norms, executor,
     )  # fmt: skip
 
 
@@ -250,9 +255,16 @@ def _place(
     )  # fmt: skip
     batch_norm = statistics_source(options.batch_norm, layers, n_microbatches)
     split = split_stages(stages, layers, shared, mesh, options, model) if mesh.layout.tp > 1 else []
-    sharded = None if sharding is None else ShardedStages.over(stages, mesh, sharding)
+    experts = expert_parallel(stages, mesh)
+    ignored = None if experts is None else set(experts.parameters)
+    sharded = None if sharding is None else ShardedStages.over(stages, mesh, sharding, ignored=ignored)
     names = ModelNames(keys, tuple(shared))
-    return _Placed(stages, names, fusion, batch_norm, compiled, split, sharded)
+    return _Placed(stages, names, fusion, batch_norm, compiled, split, sharded, experts)
+
+
+def _split_experts(placed: _Placed) -> set[nn.Parameter] | None:
+    """The experts' parameters that expert parallelism split, which data parallelism leaves alone."""
+    return None if placed.experts is None else set(placed.experts.parameters)
 
 
 def _deferred_norms(placed: _Placed, mesh: PipelineMesh) -> DeferredBatchNorm | None:

@@ -23,6 +23,7 @@ from stagewise.pipeline.config import LossFn, PipelineOptions
 from stagewise.pipeline.execution.executor import StepResult
 from stagewise.pipeline.loss.microbatch import Microbatches, batch_size, concat, split
 from stagewise.pipeline.loss.nonfinite import EarlierGradients, first_non_finite, skipped_step
+from stagewise.pipeline.loss.routing import RoutingLosses, routed_layers
 from stagewise.pipeline.loss.sharing import share_count, share_loss
 from stagewise.pipeline.loss.tokens import check_tokens, global_tokens, per_token, valid_tokens
 from stagewise.pipeline.parallel.tensor_parallel import placed_like_parameters
@@ -134,6 +135,10 @@ class Pipeline(HeldStages):
                 quietly(self.mesh.close)
             raise
         self.stages = self._runtime.stages
+        self._routing = RoutingLosses(
+            routed_layers(self.stages.values()), self.mesh, present=bool(routed_layers([model]))
+        )
+        """This rank's mixture-of-experts layers' balance losses and loads (see :mod:`.loss.routing`)."""
         self.model_names = self._runtime.model_names
         self.steps = 0
         """Calls of :meth:`step` so far."""
@@ -259,6 +264,9 @@ class Pipeline(HeldStages):
         if ins is not None and tgs is not None and ins.sizes != tgs.sizes:
             raise ValueError(f"inputs ({sum(ins.sizes)} samples) and targets ({sum(tgs.sizes)}) differ in batch size")
         run, nonfinite = self._runtime, self.options.loss.nonfinite
+        if self._routing.present:
+            first = self.mesh.layout.at(0, self.mesh.line)
+            self._routing.begin(share_count(sum(ins.sizes) if ins else 0, sharing=run.sharing, first=first))
         # A skipped step drops its own gradients only, not those accumulated over earlier steps.
         earlier = EarlierGradients.copy(self.parameters()) if nonfinite == "skip" else None
         before = run.ties.set_aside()  # gradients accumulated over earlier steps: summed over the copies already
@@ -268,11 +276,15 @@ class Pipeline(HeldStages):
             result = run.executor.run(self.schedule.ranks[run.position], ins, tgs, self.loss_fn, training=True)
         if run.tensor_parallel:
             placed_like_parameters(self.parameters())
+        if run.experts is not None:
+            run.experts.synchronise()
         run.ties.sum_gradients(before)
         self._record(result)
         self.steps += 1
         bad = first_non_finite(result.microbatch_losses)
         loss = self._share_loss(result.loss, tgs, bad_microbatch=bad)
+        if self._routing.present:
+            loss = loss + self._routing.finish().to(loss.device)
         where = self._bad_microbatch
         which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
         self.skipped = skipped_step(

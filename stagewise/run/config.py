@@ -59,6 +59,9 @@ class TrainConfig:
     HSDP); each takes its own share of the batch."""
     tp: int = 1
     """Ranks each layer is split over (tensor parallelism: GPT presets' attention heads, MLP and vocabulary)."""
+    ep: int = 1
+    """Ranks each mixture-of-experts layer's experts are split over (expert parallelism), borrowed from ``fsdp``
+    (or, with ``fsdp = 1``, from ``dp``): it divides that dimension and adds no processes."""
     fsdp_gather: GatherWhen = "step"
     """When FSDP gathers a stage's whole parameters: once per "step" (held whole, with their gradients, until its
     end), or around each of its actions on a "micro-batch" (freed between, gradients reduce-scattered after each
@@ -195,6 +198,7 @@ class TrainConfig:
             "dp",
             "fsdp",
             "tp",
+            "ep",
             "microbatches",
             "batch_size",
             "seq_len",
@@ -256,8 +260,8 @@ class TrainConfig:
 
     @property
     def layout(self) -> Layout:
-        """The run's ``pp x dp x fsdp x tp`` grid of ranks."""
-        return Layout(self.pp, self.dp, self.fsdp, self.tp)
+        """The run's ``pp x dp x fsdp x tp`` grid of ranks, with its ``ep``."""
+        return Layout(self.pp, self.dp, self.fsdp, self.tp, self.ep)
 
     @property
     def world_size(self) -> int:

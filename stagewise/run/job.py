@@ -36,7 +36,7 @@ else:  # pragma: no cover - Python 3.10
 SECTIONS: Mapping[str, tuple[str, ...]] = {
     "model": ("model", "seq_len", "seed"),
     "data": ("data", "tokenizer", "data_field", "data_column", "data_limit", "document_masking"),
-    "layout": ("pp", "dp", "fsdp", "tp", "virtual", "partition", "fsdp_gather", "offload_optimizer"),
+    "layout": ("pp", "dp", "fsdp", "tp", "ep", "virtual", "partition", "fsdp_gather", "offload_optimizer"),
     "schedule": ("schedule", "schedule_text", "microbatches", "batch_size"),
     "optimizer": ("optimizer", "lr", "warmup", "steps", "clip"),
     "compute": (

@@ -62,7 +62,7 @@ def layout_of(config: TrainConfig) -> str:
     for name in ("fsdp", "tp"):
         if getattr(config, name) > 1:
             text += f" x --{name} {getattr(config, name)}"
-    return text
+    return text if config.ep == 1 else f"{text} (--ep {config.ep})"
 
 
 @dataclass(frozen=True)

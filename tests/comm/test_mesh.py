@@ -218,3 +218,19 @@ def test_each_pipeline_takes_its_share_of_the_global_batch() -> None:
         ValueError, match=r"^a global batch of 7 does not divide into the 2 shares of dp x fsdp = 1 x 2"
     ):
         PipelineMesh(None, layout, 0, cpu, "gloo", 1.0, None).share(7)  # type: ignore[arg-type]
+
+
+def test_expert_parallelism_borrows_consecutive_ranks_of_fsdp_or_else_dp() -> None:
+    # pp2 x fsdp4, ep2: the grid reshaped, each stage's 4 shards cut into 2 groups of 2 consecutive ranks.
+    assert Layout(2, 1, 4, 1, ep=2).expert_shape == (2, 1, 2, 2, 1)
+    # dp4 without fsdp, ep4: all 4 replicas split the experts; one copy of each.
+    assert Layout(1, 4, 1, 2, ep=4).expert_shape == (1, 1, 1, 4, 2)
+    assert "(ep=2)" in Layout(2, 2, ep=2).describe()
+    with pytest.raises(ValueError) as err:
+        Layout(2, 2, 1, 1, ep=4)
+    assert str(err.value) == (
+        "ep=4 does not divide dp=2: expert parallelism borrows its ranks from fsdp (or, with fsdp=1, from dp); "
+        "choose ep among [1, 2], or give dp a multiple of 4"
+    )
+    with pytest.raises(ValueError, match=r"^ep=3 does not divide fsdp=4: .* choose ep among \[1, 2, 4\]"):
+        Layout(1, 2, 4, 1, ep=3)

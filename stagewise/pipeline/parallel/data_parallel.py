@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from stagewise.comm.errors import named_collective
@@ -60,6 +61,7 @@ class Replicas:
         device: torch.device,
         config: DataParallel,
         timeout: float,
+        ignored: set[nn.Parameter] | None = None,
     ) -> None:
         self.config = config
         self.group = group
@@ -69,6 +71,10 @@ class Replicas:
         for s, module in stages.items():
             if not any(p.requires_grad for p in module.parameters()):
                 continue  # nothing to synchronise; DDP refuses such modules
+            if ignored:  # split experts: their gradients are summed over the ranks holding the same experts
+                skipped = {id(p) for p in ignored}
+                names = [name for name, p in module.named_parameters() if id(p) in skipped]
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)  # type: ignore[no-untyped-call]
             ddp = DistributedDataParallel(
                 module,
                 device_ids=[device.index] if device.type == "cuda" else None,

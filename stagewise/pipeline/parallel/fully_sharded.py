@@ -48,6 +48,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -120,7 +121,13 @@ class ShardedStages:
     most bytes of whole parameters the rank held at once (see :meth:`reset_peak`)."""
 
     def __init__(
-        self, stages: dict[int, StageModule], mesh: DeviceMesh, config: FullySharded, *, timeout: float
+        self,
+        stages: dict[int, StageModule],
+        mesh: DeviceMesh,
+        config: FullySharded,
+        *,
+        timeout: float,
+        ignored: set[nn.Parameter] | None = None,
     ) -> None:
         self.config = config
         self.timeout = timeout
@@ -137,8 +144,9 @@ class ShardedStages:
             self.sizes[s] = _whole_bytes(stage, config.param_dtype)
             try:
                 unit = fully_shard(
-                    stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload
-                )
+                    stage, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload,
+                    ignored_params=ignored,
+                )  # fmt: skip
                 unit._get_fsdp_state()._lazy_init()  # as its first forward would: the executor calls past its hooks
             except (AssertionError, RuntimeError, ValueError, TypeError) as err:
                 dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in stage.parameters()})
@@ -166,11 +174,18 @@ class ShardedStages:
         )  # fmt: skip
 
     @classmethod
-    def over(cls, stages: dict[int, StageModule], mesh: PipelineMesh, config: FullySharded) -> ShardedStages:
+    def over(
+        cls,
+        stages: dict[int, StageModule],
+        mesh: PipelineMesh,
+        config: FullySharded,
+        *,
+        ignored: set[nn.Parameter] | None = None,
+    ) -> ShardedStages:
         """``stages`` sharded over ``mesh``'s ``fsdp`` ranks (HSDP over ``("dp", "fsdp")`` where ``dp > 1``), every
-        wait bounded by the mesh's timeout."""
+        wait bounded by the mesh's timeout; the ``ignored`` parameters (split experts) stay as they are."""
         names = ("dp", "fsdp") if mesh.layout.dp > 1 else ("fsdp",)
-        return cls(stages, mesh.device_mesh[names], config, timeout=mesh.timeout)
+        return cls(stages, mesh.device_mesh[names], config, timeout=mesh.timeout, ignored=ignored)
 
     @property
     def per_action(self) -> bool:
