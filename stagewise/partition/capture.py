@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # torch.export imports dynamo: seconds, paid only when captur
 
 from stagewise.partition.call_spec import CallSpec, Inputs, call_spec, chosen_output
 from stagewise.partition.graph import CaptureError, SegmentGraph, cut
+from stagewise.partition.hf_moe import refuse_eager_experts, router_logits_off
 from stagewise.partition.layers import CHAIN_ATTRIBUTE, Layer, Payload, shared_parameters
 from stagewise.partition.segment import Segment
 
@@ -232,7 +233,7 @@ def _export(model: nn.Module, example: _Example, blocks: Sequence[str], length: 
         tensors = tuple(torch.cat([a, a]) for a in tensors)
     args, kwargs = ((), dict(zip(example.names, tensors, strict=True))) if example.keywords else (tensors, None)
     try:
-        with _cache_off(model):
+        with _cache_off(model), router_logits_off(model):
             ep = torch.export.export(model, args, kwargs, dynamic_shapes=_dynamic_shapes(example, length))
     except Exception as err:
         reason = next((line for line in str(err).splitlines() if line.strip()), "")
@@ -278,7 +279,11 @@ def capture(
     inputs may be given by keyword (``{"input_ids": ..., "attention_mask":
     ...}``), and the chain then takes them so; a model that returns a mapping
     (a ``ModelOutput``, a dict, a dataclass) gives its entry ``output``. A
-    model with a Hugging Face style config is captured with its cache off.
+    model with a Hugging Face style config is captured with its cache off, and
+    without its router logits (a mixture of experts' load-balancing loss, which
+    needs every layer's; a warning says so when the config asks for them). A
+    Hugging Face mixture of experts is captured with the experts implementation
+    its config chooses (``"grouped_mm"`` by default); ``"eager"`` is refused.
 
     Args:
         model: the model, with real weights or on the meta device.
@@ -290,13 +295,15 @@ def capture(
             A fixed length runs only at the example's length; another is refused by name.
 
     Raises:
-        CaptureError: torch.export cannot capture the model, or its graph cannot be cut (the message says why).
+        CaptureError: torch.export cannot capture the model (a mixture of experts with ``"eager"`` experts too), or
+            its graph cannot be cut (the message says why).
         ValueError: no blocks found or named, or a block runs more than once.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture expects an nn.Module, got {type(model).__name__}")
     inputs = _on_the_models_device(model, _example(example))
     _check_names(model)
+    refuse_eager_experts(model)
     limit = _length_limit(model)
     free = dynamic_length if dynamic_length is not None else limit is not None
     exported = _export(model, inputs, _blocks_to_cut(model, blocks), limit if free else None)

@@ -18,6 +18,11 @@ _ATTENTION = torch.ops.aten.scaled_dot_product_attention.default
 _ATTENTION_DROPOUT = 4
 """Where scaled_dot_product_attention takes ``dropout_p``: a model passes its rate in training and 0 in eval, so a
 graph captured in training mode has the rate burned in."""
+_HISTC = torch.ops.aten.histc.default
+_FLOAT_HISTC = frozenset({"cpu", "mps"})
+"""Devices whose histc counts floating-point values only; CUDA's counts integers too (and only those with
+deterministic algorithms), so a graph captured on the meta device may count integers, as Hugging Face's grouped
+experts do everywhere but on these."""
 
 
 def depends_on_the_mode(node: fx.Node) -> bool:
@@ -89,8 +94,9 @@ def variant(
         _move(copy, old, new)
         if dropout_off:
             _drop_nothing(copy, node)
-        env[node] = copy
-        by_name[node.name] = copy
+        result = _count_as_floats(g, copy, node) if new.type in _FLOAT_HISTC else copy
+        env[node] = result
+        by_name[node.name] = result
     return fx.GraphModule(module, g, class_name=type(module).__name__)
 
 
@@ -111,6 +117,19 @@ def _move(copy: fx.Node, old: torch.device, new: torch.device) -> None:
         copy.kwargs = {**copy.kwargs, "device": new}
     if any(isinstance(a, torch.device) and a == old for a in copy.args):  # aten.to.device takes it by position
         copy.args = tuple(new if isinstance(a, torch.device) and a == old else a for a in copy.args)
+
+
+def _count_as_floats(g: fx.Graph, copy: fx.Node, node: fx.Node) -> fx.Node:
+    """For ``copy`` of a histc of integers, on a device whose histc counts floats only: the same counts, of the
+    values as floats (exact below 2**24), in the integer dtype the graph expects; any other node as it is."""
+    value = node.args[0] if node.target is _HISTC and node.args else None
+    counted = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(counted, torch.Tensor) or counted.is_floating_point():
+        return copy
+    with g.inserting_before(copy):
+        as_float = g.call_function(torch.ops.aten._to_copy.default, (copy.args[0],), {"dtype": torch.float32})
+    copy.args = (as_float, *copy.args[1:])
+    return g.call_function(torch.ops.aten._to_copy.default, (copy,), {"dtype": counted.dtype})
 
 
 def _drop_nothing(copy: fx.Node, node: fx.Node) -> None:
