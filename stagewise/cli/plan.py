@@ -22,7 +22,7 @@ from stagewise.plan.cluster import Cluster, Device, parse_devices
 from stagewise.plan.planner import candidates, tensor_parallel_degrees
 from stagewise.plan.synthesised import synthesised
 from stagewise.plan.tensor_traffic import layer_traffic
-from stagewise.plan.workload import Workload, preset_model, workload, workload_under_load
+from stagewise.plan.workload import DEFAULT_EXPERT_IMBALANCE, Workload, preset_model, workload, workload_under_load
 from stagewise.run.planned_model import ModelRequest, planned_model
 from stagewise.schedule import render
 from stagewise.units import format_bytes, parse_bytes
@@ -46,6 +46,19 @@ def _host_bandwidth(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected bytes per second such as 25e9, got {text!r}") from err
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected bytes per second above 0 such as 25e9, got {text!r}")
+    return value
+
+
+def _imbalance(text: str) -> float:
+    """``--expert-imbalance``: a ratio >= 1."""
+    try:
+        value = float(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a ratio >= 1 such as 1.25, got {text!r}") from err
+    if not 1 <= value < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"expected a ratio >= 1 such as 1.25 (the busiest rank's tokens over the mean), got {text!r}"
+        )
     return value
 
 
@@ -109,6 +122,16 @@ def add(commands: Any) -> None:
         "--fsdp", type=args.positive_int, default=None, help="shard over this many ranks (default: searched)"
     )
     p.add_argument("--tp", type=args.positive_int, default=None, help="split layers over this many (default: searched)")
+    p.add_argument(
+        "--ep", type=args.positive_int, default=None,
+        help="split each mixture-of-experts layer's experts over this many ranks, borrowed from fsdp (or dp with "
+        "fsdp 1) (default: searched)",
+    )  # fmt: skip
+    p.add_argument(
+        "--expert-imbalance", type=_imbalance, default=DEFAULT_EXPERT_IMBALANCE,
+        help="routed tokens of the busiest expert-parallel rank over the mean (1.0: perfectly balanced); multiplies "
+        f"its experts' compute, activations and all-to-all with ep > 1 (default {DEFAULT_EXPERT_IMBALANCE})",
+    )  # fmt: skip
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"], help="for the state per parameter")
     p.add_argument("--top", type=args.positive_int, default=8, help="plans to show")
     p.add_argument("--json", type=Path, default=None, help="write the best plan here (for `train --plan`)")
@@ -148,18 +171,21 @@ def _cluster(ns: argparse.Namespace) -> Cluster:
 
 
 def _pinned(ns: argparse.Namespace, work: Workload, cluster: Cluster) -> list[Option] | None:
-    """The candidate layouts with ``--fsdp`` and ``--tp`` where given (None: every candidate)."""
-    if ns.fsdp is None and ns.tp is None:
+    """The candidate layouts with ``--fsdp``, ``--tp`` and ``--ep`` where given (None: every candidate)."""
+    if ns.fsdp is None and ns.tp is None and ns.ep is None:
         return None
+    if ns.ep is not None and ns.ep > 1 and not work.expert_counts:
+        raise ValueError(f"--ep {ns.ep} splits mixture-of-experts layers, but {ns.model} has none; leave --ep out")
     degrees = tensor_parallel_degrees(work)
     if ns.tp is not None and ns.tp > 1 and ns.tp not in degrees:
         found = dict(work.tensor_parallel).get(ns.tp)
         raise ValueError(found if isinstance(found, str) else f"--tp {ns.tp}: {work.traffic(ns.tp)}")
     every = candidates(
         cluster.n_devices, len(work.costs), work.global_batch, tp_degrees=degrees, gpus_per_node=cluster.gpus_per_node,
-        host=cluster.offloads,
+        host=cluster.offloads, experts=work.expert_counts,
     )  # fmt: skip
-    return [o for o in every if (ns.fsdp is None or o.fsdp == ns.fsdp) and (ns.tp is None or o.tp == ns.tp)]
+    pins = {"fsdp": ns.fsdp, "tp": ns.tp, "ep": ns.ep}
+    return [o for o in every if all(value is None or getattr(o, name) == value for name, value in pins.items())]
 
 
 def _show(result: Plan, work: Workload, top: int) -> None:
@@ -220,6 +246,15 @@ def _workload(ns: argparse.Namespace, model: nn.Module, sample: Payload, tokens:
     )
 
 
+def _active(work: Workload, params: int) -> str:
+    """For a model with routed experts: its parameters active per token and its experts, else nothing."""
+    routed = [c for c in work.experts if c is not None]
+    if not routed:
+        return ""
+    active = params - sum(c.params * (1 - c.top_k / c.experts) for c in routed)
+    return f" ({active:,.0f} active per token; {len(routed)} MoE layers of {work.expert_counts} routed experts)"
+
+
 def _synthesised(best: Option, work: Workload, cluster: Cluster) -> str | None:
     """Print how a schedule synthesised for ``best``'s stages compares with its own; its text where faster."""
     found = synthesised(best, work, cluster)
@@ -273,11 +308,11 @@ def run(ns: argparse.Namespace) -> int:
     planned = planned_model(request)
     model, sample, tokens = planned.model, planned.sample, planned.tokens_per_sample
     cluster = _cluster(ns)
-    work = _workload(ns, model, sample, tokens)
+    work = dataclasses.replace(_workload(ns, model, sample, tokens), expert_imbalance=ns.expert_imbalance)
     params = sum(p.numel() for p in model.parameters())
     devices = cluster.describe(speeds=not ns.profile)
     measured = f"; layer times measured on {ns.device or 'cpu'}" if ns.profile else ""
-    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters; {devices}{measured}")
+    print(f"{ns.model}: {len(work.costs)} layers, {params:,} parameters{_active(work, params)}; {devices}{measured}")
     if ns.tp is not None and ns.tp > 1 and isinstance(model, GPT) and ns.tp not in dict(work.tensor_parallel):
         # a degree the workload did not describe: what the GPT's plan makes of it (or why it cannot)
         from stagewise.models import gpt_parallel

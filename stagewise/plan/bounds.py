@@ -13,7 +13,7 @@ from stagewise.plan.cluster import Cluster
 from stagewise.plan.evaluate import Overheads
 from stagewise.plan.rank_memory import offloaded
 from stagewise.plan.setting import ScheduleShape, Setting, cached_holdings, cached_shape, splits_backward
-from stagewise.plan.time_model import optimizer_seconds, sync_seconds
+from stagewise.plan.time_model import expert_sync_seconds, optimizer_seconds, sync_seconds
 from stagewise.plan.workload import Workload
 from stagewise.schedule import StageCosts
 from stagewise.schedule.holdings import Holding
@@ -38,7 +38,7 @@ def step_floor(setting: Setting, workload: Workload, cluster: Cluster) -> float:
     on its gradient as one B, ``P_s + m c_s`` for ``c_s`` its own and ``P_s`` theirs, which no split of the
     layers' ``T`` seconds into ``n`` stages keeps below ``T / (1 - (1 - 1/m)^n)``. On top, the collectives and the
     optimizer step of a rank with the mean of the parameters (the largest holds at least that), on the device
-    that steps fastest.
+    that steps fastest, and the routed experts' all-reduce of a rank with the mean of theirs.
     """
     o = setting.option
     m, layer = o.n_microbatches, [f + b for f, b in setting.seconds]
@@ -47,8 +47,10 @@ def step_floor(setting: Setting, workload: Workload, cluster: Cluster) -> float:
     if not splits_backward(o.schedule, o.n_virtual):
         pipeline = max(pipeline, total / (1 - (1 - 1 / m) ** setting.n_stages))
     mean = setting.layers.param_bytes / o.pp
-    optimizer = min(optimizer_seconds([mean], [d], workload, o, cluster) for d in setting.devices)
-    return Overheads(sync_seconds([mean], o, cluster), optimizer, 0.0).step(pipeline * (1 - SLACK))
+    experts = sum(setting.layers.expert_bytes) / o.pp  # the routed experts' share a rank holds, on the mean
+    optimizer = min(optimizer_seconds([mean], [d], workload, o, cluster, unsharded=[experts]) for d in setting.devices)
+    extra = Overheads(sync_seconds([mean], o, cluster), optimizer, 0.0, expert_sync_seconds(experts, o, cluster))
+    return extra.step(pipeline * (1 - SLACK))
 
 
 def pipeline_floor(setting: Setting, costs: StageCosts) -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from stagewise.partition import CapacityError, Partition, balance
@@ -12,8 +12,8 @@ from stagewise.plan.cluster import Cluster
 from stagewise.plan.option import Option
 from stagewise.plan.rank_memory import end_multiplier, rank_activation
 from stagewise.plan.rejection import Rejection, memory_rejection
-from stagewise.plan.setting import Setting, Settings, cached_shape
-from stagewise.plan.time_model import optimizer_seconds, stage_times, sync_seconds, tie_seconds
+from stagewise.plan.setting import Layers, Setting, Settings, cached_shape
+from stagewise.plan.time_model import expert_sync_seconds, optimizer_seconds, stage_times, sync_seconds, tie_seconds
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, StageCosts, simulate
 from stagewise.schedule.simulate import SimulationResult
@@ -66,10 +66,13 @@ class Overheads:
     """The slowest rank's optimizer step."""
     ties: float
     """Summing the gradients of tied parameters held on several ranks."""
+    experts: float = 0.0
+    """All-reducing the routed experts' gradients over their replicas
+    (:func:`~stagewise.plan.time_model.expert_sync_seconds`)."""
 
     def step(self, pipeline: float) -> float:
         """The step's seconds, after ``pipeline`` seconds of the schedule's actions."""
-        return pipeline + self.sync + self.optimizer + self.ties
+        return pipeline + self.sync + self.optimizer + self.ties + self.experts
 
 
 def overheads(setting: Setting, part: Partition, workload: Workload, cluster: Cluster) -> Overheads:
@@ -77,11 +80,20 @@ def overheads(setting: Setting, part: Partition, workload: Workload, cluster: Cl
     option, schedule = setting.option, setting.schedule
     layers = _rank_layers(schedule, stage_ranges(part))
     rank_params = [params_of(setting.costs, setting.layers.shared, mine, nbytes=True) for mine in layers]
+    rank_experts = expert_bytes(setting.layers, layers)
     return Overheads(
         sync=sync_seconds(rank_params, option, cluster),
-        optimizer=optimizer_seconds(rank_params, setting.devices, workload, option, cluster),
+        optimizer=optimizer_seconds(rank_params, setting.devices, workload, option, cluster, unsharded=rank_experts),
         ties=tie_seconds(part, schedule, workload, cluster, option.fsdp * option.tp),
+        experts=expert_sync_seconds(max(rank_experts), option, cluster),
     )
+
+
+def expert_bytes(layers: Layers, ranks: Sequence[Collection[int]]) -> list[float]:
+    """Per rank holding the layers ``ranks`` lists: the bytes of its share of the routed experts' parameters."""
+    if not layers.expert_bytes:
+        return [0.0] * len(ranks)
+    return [sum(layers.expert_bytes[i] for i in mine) for mine in ranks]
 
 
 def host_bytes(setting: Setting, part: Partition) -> list[float]:

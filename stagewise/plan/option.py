@@ -58,6 +58,9 @@ class Option:
     rank_host_memory: tuple[float, ...] = ()
     """Predicted host bytes each pipeline rank keeps with offloading (optimizer state, activations); empty
     without."""
+    ep: int = 1
+    """Ranks each mixture-of-experts layer's routed experts are split over (expert parallelism), borrowed from
+    ``fsdp`` (which it divides) or, with ``fsdp = 1``, from ``dp`` (see :attr:`stagewise.comm.Layout.ep`)."""
 
     @property
     def ranks_per_stage(self) -> int:
@@ -87,8 +90,9 @@ class Option:
         return tuple(used)
 
     def describe(self) -> str:
-        """The layout in one line: ``pp=8 dp=1 fsdp=4 tp=2 m=128 interleaved-1f1b +ckpt`` (:attr:`options`)."""
-        sharded = "".join(f" {name}={getattr(self, name)}" for name in ("fsdp", "tp") if getattr(self, name) > 1)
+        """The layout in one line: ``pp=8 dp=1 fsdp=4 ep=2 tp=2 m=128 interleaved-1f1b +ckpt`` (:attr:`options`;
+        fsdp, ep and tp where above 1)."""
+        sharded = "".join(f" {name}={getattr(self, name)}" for name in ("fsdp", "ep", "tp") if getattr(self, name) > 1)
         used = "".join(f" {o}" for o in self.options)
         return f"pp={self.pp} dp={self.dp}{sharded} m={self.n_microbatches} {self.schedule}{used}"
 
@@ -133,6 +137,7 @@ class Plan:
             "dp": best.dp,
             "fsdp": best.fsdp,
             "tp": best.tp,
+            "ep": best.ep,
             "virtual": best.n_virtual,
             "partition": list(best.partition.bounds),
             "schedule": best.schedule,

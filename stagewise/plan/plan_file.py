@@ -116,6 +116,7 @@ FIELDS: tuple[PlanField, ...] = (
     PlanField("dp", "layout", COUNT, _count),
     PlanField("fsdp", "layout", COUNT, _count, required=False),
     PlanField("tp", "layout", COUNT, _count, required=False),
+    PlanField("ep", "layout", COUNT, _count, required=False),
     PlanField("virtual", "layout", COUNT, _count),
     PlanField(
         "fsdp_gather",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,6 +110,15 @@ def _microbatches(local: int, most: int, *, least: int = 1) -> list[int]:
     return ms or [top if local % top == 0 and top >= 1 else 1]
 
 
+def expert_degrees(dp: int, fsdp: int, experts: int) -> list[int]:
+    """The expert-parallel degrees worth trying with ``dp`` replicas of ``fsdp`` shards and MoE layers of
+    ``experts`` routed experts (0: none, so 1 alone): every divisor of the dimension ep borrows from (fsdp, or dp
+    with fsdp = 1, :attr:`stagewise.comm.Layout.ep`) that divides the experts too."""
+    if not experts:
+        return [1]
+    return [ep for ep in _divisors(fsdp if fsdp > 1 else dp) if experts % ep == 0]
+
+
 def candidates(
     n_devices: int,
     n_layers: int,
@@ -118,9 +128,12 @@ def candidates(
     tp_degrees: Sequence[int] = (),
     gpus_per_node: int = 8,
     host: bool = False,
+    experts: int = 0,
 ) -> list[Option]:
     """Every layout worth simulating on ``n_devices``: pp x dp x fsdp x tp = n_devices, m, schedule, and the
-    memory options (:func:`memory_choices`; offloading with ``host``, where the cluster describes its host).
+    memory options (:func:`memory_choices`; offloading with ``host``, where the cluster describes its host), and
+    for a model with mixture-of-experts layers of ``experts`` routed experts, each expert-parallel degree
+    (:func:`expert_degrees`).
 
     ``tp_degrees``: the tensor-parallel degrees the model's plan can take (each dividing ``gpus_per_node``, so a
     group stays within a node). Sharded layouts (fsdp or tp above 1) are tried with at least ``pp`` micro-batches
@@ -137,7 +150,7 @@ def candidates(
                     ms = [1]
                 else:
                     ms = _microbatches(global_batch // ranks, max_microbatches, least=pp if sharded else 1)
-                for m in ms:
+                for m, ep in itertools.product(ms, expert_degrees(dp, fsdp, experts)):
                     out += [
                         Option(
                             pp,
@@ -151,6 +164,7 @@ def candidates(
                             fsdp_gather=choice.gather,
                             offload_optimizer=choice.offload_optimizer,
                             offload_activations=choice.offload_activations,
+                            ep=ep,
                         )
                         for layout in _layouts(pp, m)
                         if not (sharded and layout.schedule == "gpipe")
@@ -187,7 +201,7 @@ def plan(
     """
     considered = list(options) if options is not None else candidates(
         cluster.n_devices, len(workload.costs), workload.global_batch, tp_degrees=tensor_parallel_degrees(workload),
-        gpus_per_node=cluster.gpus_per_node, host=cluster.offloads,
+        gpus_per_node=cluster.gpus_per_node, host=cluster.offloads, experts=workload.expert_counts,
     )  # fmt: skip
     if top is not None:
         found = search(considered, workload, cluster, top)

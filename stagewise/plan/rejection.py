@@ -24,7 +24,8 @@ class Rejection:
 
 def shape_rejection(option: Option, workload: Workload, cluster: Cluster) -> Rejection | None:
     """Why ``option``'s shape cannot take ``workload``: more stages than layers, a batch that does not divide, a
-    tensor-parallel group that would cross a node or that the model's plan cannot split."""
+    tensor-parallel group that would cross a node or that the model's plan cannot split, an expert-parallel
+    degree that the layout or the experts cannot take."""
     n_stages = option.pp * option.n_virtual
     if len(workload.costs) < n_stages:
         return Rejection(f"{n_stages} stages for {len(workload.costs)} layers")
@@ -35,6 +36,9 @@ def shape_rejection(option: Option, workload: Workload, cluster: Cluster) -> Rej
     local = workload.global_batch // shards
     if local % option.n_microbatches:
         return Rejection(f"batch {local} per replica not divisible by m={option.n_microbatches}")
+    why = expert_rejection(option, workload)
+    if why is not None:
+        return why
     if option.tp > 1:
         if cluster.gpus_per_node % option.tp:
             return Rejection(
@@ -43,6 +47,23 @@ def shape_rejection(option: Option, workload: Workload, cluster: Cluster) -> Rej
         traffic = workload.traffic(option.tp)
         if isinstance(traffic, str):
             return Rejection(traffic)
+    return None
+
+
+def expert_rejection(option: Option, workload: Workload) -> Rejection | None:
+    """Why ``option.ep`` cannot split ``workload``'s experts: the model has none, ep does not divide the dimension
+    it borrows from (fsdp, or dp with fsdp = 1), or it does not divide the experts of a layer."""
+    ep = option.ep
+    if ep == 1:
+        return None
+    experts = workload.expert_counts
+    if not experts:
+        return Rejection(f"ep={ep}, but the model has no mixture-of-experts layers to split")
+    borrowed = ("fsdp", option.fsdp) if option.fsdp > 1 else ("dp", option.dp)
+    if borrowed[1] % ep:
+        return Rejection(f"ep={ep} does not divide {borrowed[0]}={borrowed[1]}, whose ranks it borrows")
+    if experts % ep:
+        return Rejection(f"ep={ep} does not divide the {experts} experts of an MoE layer")
     return None
 
 

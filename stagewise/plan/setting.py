@@ -14,11 +14,19 @@ from stagewise.partition import LayerCost, MemoryModel, memory_model
 from stagewise.partition.auto import params_of
 from stagewise.partition.layers import SharedParameter
 from stagewise.plan.cluster import Cluster, Device
+from stagewise.plan.expert_cost import dense_costs, rank_experts, with_experts
 from stagewise.plan.option import Checkpointing, Option
 from stagewise.plan.rank_memory import OFFLOADED_IN_FLIGHT, host_multiplier, offloaded, state_multiplier, working
 from stagewise.plan.rejection import Rejection, recompute_rejection, shape_rejection, transient_rejection
 from stagewise.plan.tensor_parallel import collective_seconds, split_costs, split_ties
-from stagewise.plan.time_model import Overlapped, action_seconds, gather_seconds, layer_seconds, recompute_seconds
+from stagewise.plan.time_model import (
+    Overlapped,
+    action_seconds,
+    expert_collectives,
+    gather_seconds,
+    layer_seconds,
+    recompute_seconds,
+)
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, ScheduleName, build, holdings, peak_in_flight
 from stagewise.schedule.builders import BUILDERS
@@ -182,6 +190,10 @@ class Layers:
     """What computing one micro-batch holds on top of the memory model (see
     :func:`~stagewise.plan.rank_memory.working`), whichever layers a stage gets: on a stage without the last layer,
     and on the last stage."""
+    expert_bytes: tuple[float, ...] = ()
+    """Per layer: the bytes of the routed experts' parameters a rank holds (its ``1/ep`` share, which FSDP does not
+    shard; in :attr:`costs` their state is counted with the buffers, not in ``param_bytes``); empty without
+    experts."""
 
     @functools.cached_property
     def range_sums(self) -> RangeSums:
@@ -270,6 +282,7 @@ class Settings:
         self.workload = workload
         self.cluster = cluster
         self._layers: dict[tuple[Any, ...], Layers] = {}
+        self._dense = dense_costs(workload.costs, workload.experts)
 
     def of(self, option: Option) -> Setting | Rejection:
         """The concrete setting of ``option``, or why it cannot run."""
@@ -313,7 +326,8 @@ class Settings:
         tensor parallelism, FSDP gathering and offloading, timed on a device as fast as ``fastest``; once per
         such shape."""
         gathers = option.fsdp if option.fsdp_gather == "micro-batch" else 1
-        key = (factor, option.activation_checkpointing, option.tp, gathers, option.offload_activations, fastest)
+        key = (factor, option.activation_checkpointing, option.tp, gathers, option.offload_activations, fastest,
+               option.ep)  # fmt: skip
         found = self._layers.get(key)
         if found is None:
             found = self._layers[key] = self._measure(factor, option, fastest)
@@ -325,7 +339,11 @@ class Settings:
         found = workload.traffic(tp) if tp > 1 else None
         traffic = found if not isinstance(found, str) else None  # a refusal was shape_rejection's
         input_bytes = workload.input_bytes * factor
-        costs = split_costs(scaled(workload.costs, factor, ckpt, input_bytes), traffic, tp)
+        costs = split_costs(scaled(self._dense, factor, ckpt, input_bytes), traffic, tp)
+        experts = rank_experts(
+            workload.experts, len(costs), factor, option.ep, workload.expert_imbalance, workload.state_multiplier
+        )
+        costs = [c if e is None else with_experts(c, e, ckpt) for c, e in zip(costs, experts, strict=True)]
         if ckpt == "selective":
             recompute = max(c.saved_bytes - c.selective_bytes for c in workload.costs) * factor
         else:
@@ -336,6 +354,10 @@ class Settings:
         every = range(len(costs))
         loss_f, loss_b = workload.loss_seconds
         collectives = collective_seconds(costs, traffic, tp, cluster, input_bytes)
+        collectives = [
+            pair if e is None else expert_collectives(pair, e, option, cluster)
+            for pair, e in zip(collectives, experts, strict=True)
+        ]
         host = cluster.host_bandwidth if option.offload_activations and cluster.host_bandwidth else None
         actions = []
         for index, (c, pair) in enumerate(zip(costs, collectives, strict=True)):
@@ -353,4 +375,5 @@ class Settings:
             recompute=recompute,
             loss_extra=loss_extra,
             working=(working(costs, every[:-1], recompute, 0.0), working(costs, every, recompute, loss_extra)),
+            expert_bytes=tuple(0.0 if e is None else e.param_bytes for e in experts) if workload.experts else (),
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from stagewise.partition import LayerCost, MemoryModel, Partition
 from stagewise.plan.cluster import Cluster, Device
+from stagewise.plan.expert_cost import RankExperts
 from stagewise.plan.option import Checkpointing, Option
 from stagewise.plan.workload import Workload
 from stagewise.schedule import Schedule, StageCosts
@@ -20,6 +21,43 @@ def ring_seconds(nbytes: float, ranks: int, bandwidth: float, latency: float, *,
         return 0.0
     share = (ranks - 1) / ranks * (2 if all_reduce else 1)
     return latency + share * nbytes / bandwidth
+
+
+def all_to_all_seconds(nbytes: float, ep: int, tp: int, cluster: Cluster) -> float:
+    """One all-to-all over ``ep`` expert-parallel ranks, each sending ``nbytes`` split evenly over the group (its
+    ``1/ep`` to itself stays) and receiving as much, after ``latency``.
+
+    The group is ``ep`` consecutive data ranks, ``tp`` apart (:attr:`stagewise.comm.Layout.expert_shape`), so a
+    node holds ``gpus_per_node / tp`` of them: the share for those goes at :attr:`Cluster.intra_node_bandwidth`,
+    the rest at :attr:`Cluster.network_bandwidth`, both at once. Where the group fits in a node (``ep x tp <=
+    gpus_per_node``) all of it goes within the node."""
+    if ep == 1:
+        return 0.0
+    local = max(1, min(ep, cluster.gpus_per_node // tp))
+    within = nbytes * (local - 1) / ep / cluster.intra_node_bandwidth
+    across = nbytes * (ep - local) / ep / cluster.network_bandwidth
+    return cluster.link_latency + max(within, across)
+
+
+def expert_collectives(
+    pair: tuple[float, float], experts: RankExperts, option: Option, cluster: Cluster
+) -> tuple[float, float]:
+    """A layer's collectives per micro-batch (``pair``: forward, backward) with its MoE modules' all-to-alls over
+    ``option.ep`` ranks: in each module's forward, the dispatch of the token choices and the combine of their
+    outputs, and in its backward the same two in reverse."""
+    one = all_to_all_seconds(experts.dispatch_bytes, option.ep, option.tp, cluster)
+    return pair[0] + 2 * experts.modules * one, pair[1] + 2 * experts.modules * one
+
+
+def expert_sync_seconds(expert_bytes: float, option: Option, cluster: Cluster) -> float:
+    """The ring all-reduce of the routed experts' gradients (``expert_bytes`` on the rank holding the most) over
+    their replicas once per step: ``dp x fsdp / ep`` groups of ``ep`` ranks each hold every expert, at the
+    bandwidth of the stage's span."""
+    replicas = option.batch_shards // option.ep
+    if replicas == 1 or not expert_bytes:
+        return 0.0
+    bandwidth = cluster.bandwidth(option.ranks_per_stage)
+    return ring_seconds(expert_bytes, replicas, bandwidth, cluster.link_latency, all_reduce=True)
 
 
 def layer_seconds(cost: LayerCost, flops_per_second: float) -> tuple[float, float]:
@@ -167,25 +205,34 @@ def gather_seconds(param_bytes: float, option: Option, cluster: Cluster) -> floa
 
 
 def optimizer_seconds(
-    rank_params: Sequence[float], devices: Sequence[Device], workload: Workload, option: Option, cluster: Cluster
+    rank_params: Sequence[float],
+    devices: Sequence[Device],
+    workload: Workload,
+    option: Option,
+    cluster: Cluster,
+    unsharded: Sequence[float] | None = None,
 ) -> float:
     """The slowest rank's optimizer step (on its ``1/fsdp`` shard): measured per parameter, or its state read and
     written at memory speed. Offloaded (``option.offload_optimizer``): the gradients sent to the host and the
     parameters back at :attr:`Cluster.host_bandwidth`, and the state read and written by the host at its share
-    of :attr:`Cluster.host_optimizer_bandwidth`."""
+    of :attr:`Cluster.host_optimizer_bandwidth`. ``unsharded``: per rank, bytes of parameters FSDP does not shard
+    (the routed experts' ``1/ep`` share), stepped on the device whole."""
     fsdp = option.fsdp
+    whole = [0.0] * len(rank_params) if unsharded is None else list(unsharded)
+    per_param = workload.optimizer_seconds_per_param
+
+    def on_device(nbytes: float, device: Device) -> float:
+        if per_param is not None:
+            return nbytes / 4 * per_param
+        return nbytes * workload.state_multiplier * 3 / device.memory_bandwidth
+
     if option.offload_optimizer:
         largest = max(rank_params) / fsdp
         transfers = 2 * largest / (cluster.host_bandwidth or math.inf)
         host = cluster.host_optimizer_bandwidth / cluster.gpus_per_node
-        return transfers + largest * workload.state_multiplier * 3 / host
-    per_param = workload.optimizer_seconds_per_param
-    return max(
-        x / fsdp / 4 * per_param
-        if per_param is not None
-        else x / fsdp * workload.state_multiplier * 3 / d.memory_bandwidth
-        for x, d in zip(rank_params, devices, strict=True)
-    )
+        experts = max(on_device(x, d) for x, d in zip(whole, devices, strict=True))
+        return transfers + largest * workload.state_multiplier * 3 / host + experts
+    return max(on_device(x / fsdp + e, d) for x, e, d in zip(rank_params, whole, devices, strict=True))
 
 
 def tie_seconds(part: Partition, schedule: Schedule, workload: Workload, cluster: Cluster, shards: int) -> float:

@@ -23,6 +23,8 @@ from stagewise.partition import LayerCost, layers_of, profile, shared_parameters
 from stagewise.partition.call_spec import Inputs, positional_inputs
 from stagewise.partition.layers import SharedParameter
 from stagewise.pipeline import LossFn
+from stagewise.plan.balanced_moe import balanced_routing
+from stagewise.plan.expert_cost import ExpertCost, layer_expert_costs
 from stagewise.plan.measure import OptimizerKind, measure_loss, measure_loss_bytes, measure_optimizer, meta_output
 from stagewise.plan.tensor_traffic import LayerTraffic, layer_traffic
 
@@ -36,6 +38,14 @@ _COUNTS = {
     "tokens_per_sample": "give the tokens of one sample (its sequence length), or 1",
 }
 """The counts a :class:`Workload` holds, each a whole number >= 1, and how to mend one that is not."""
+
+
+DEFAULT_EXPERT_IMBALANCE = 1.25
+"""The default :attr:`Workload.expert_imbalance`: an assumption, not a measurement. Dropless routing balanced by
+an auxiliary loss or a routing bias is balanced over a step on average, not in each micro-batch: the busiest rank
+of an expert-parallel group sees some tens of percent more token choices than the mean, more with few experts per
+rank and small micro-batches. 1.25 stands in the middle of that; give the ratio measured on the job's own routing
+where it is known (``stagewise plan --expert-imbalance``)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,13 @@ class Workload:
     tensor_parallel: tuple[tuple[int, tuple[LayerTraffic, ...] | str], ...] = ()
     """Per tensor-parallel degree: each layer's split and collectives under the model's plan, or why the plan
     cannot split the model that many ways. A degree not listed: the model has no plan."""
+    experts: tuple[ExpertCost | None, ...] = ()
+    """Per layer: what its mixture-of-experts layers' routed experts cost under balanced routing (None: it has
+    none; included in :attr:`costs`, which the planner splits apart); empty: the model has no experts."""
+    expert_imbalance: float = DEFAULT_EXPERT_IMBALANCE
+    """The routed token choices of the busiest expert-parallel rank over the mean, in a micro-batch: multiplies
+    its experts' compute, saved activations and all-to-all bytes where the experts are split (``ep > 1``). 1.0 is
+    perfectly balanced routing; see :data:`DEFAULT_EXPERT_IMBALANCE`."""
 
     def traffic(self, tp: int) -> tuple[LayerTraffic, ...] | str:
         """Each layer's :class:`LayerTraffic` over ``tp`` ranks, or why there is none."""
@@ -81,6 +98,21 @@ class Workload:
             whole_number(name, getattr(self, name), least=1, fix=fix)
         if not 0 <= self.state_multiplier < math.inf:
             raise ValueError(f"state_multiplier must be >= 0 and finite, got {self.state_multiplier}")
+        if not 1 <= self.expert_imbalance < math.inf:
+            raise ValueError(
+                f"expert_imbalance must be >= 1 and finite (the busiest rank's routed tokens over the mean; 1.0 is "
+                f"perfectly balanced), got {self.expert_imbalance}"
+            )
+        if self.experts and len(self.experts) != len(self.costs):
+            raise ValueError(
+                f"experts describes {len(self.experts)} layers but costs {len(self.costs)}; give one entry per layer "
+                "(None for a layer without experts), or none"
+            )
+
+    @property
+    def expert_counts(self) -> int:
+        """The routed experts of the MoE layer with the fewest (what ``ep`` must divide); 0 without experts."""
+        return min((c.experts for c in self.experts if c is not None), default=0)
 
 
 TP_DEGREES = (2, 4, 8)
@@ -107,28 +139,34 @@ def workload(
     ``loss=(loss_fn, target)`` for the micro-batch, the loss. For a model
     with a tensor-parallel plan (stagewise's GPT: :func:`stagewise.models.gpt_parallel.plan`),
     what each of :data:`TP_DEGREES` would split and communicate
-    (:func:`~stagewise.plan.tensor_traffic.layer_traffic`).
+    (:func:`~stagewise.plan.tensor_traffic.layer_traffic`). Mixture-of-experts layers are costed with balanced
+    routing (:mod:`stagewise.plan.balanced_moe`): the ``top_k`` active experts' FLOPs, every expert's parameters,
+    and what they cost apart in :attr:`Workload.experts` (with :data:`DEFAULT_EXPERT_IMBALANCE`; ``dataclasses.replace``
+    sets another).
     """
     sample = positional_inputs(model, sample)  # keywords as a captured model takes them by position
     tensors, _ = as_tensors(sample)
     batch = int(tensors[0].shape[0])
     per_param = None
     loss_seconds = (0.0, 0.0)
-    output = None if loss is None else meta_output(model, sample)  # once, for both of the loss's measures
-    if measure_on is not None:
-        device = torch.device(measure_on)
-        threads = torch.get_num_threads()
-        if device.type == "cpu":
-            torch.set_num_threads(1)
-        try:
-            costs = profile(model, sample, time=True, device=device)
-            per_param = measure_optimizer(device, kind=optimizer)
-            if loss is not None:
-                loss_seconds = measure_loss(model, sample, loss, device, output=output)
-        finally:
-            torch.set_num_threads(threads)
-    else:
-        costs = profile(model, sample)
+    with balanced_routing(model) as routed:  # experts costed by their config, not by what meta tensors route
+        output = None if loss is None else meta_output(model, sample)  # once, for both of the loss's measures
+        if measure_on is not None:
+            device = torch.device(measure_on)
+            threads = torch.get_num_threads()
+            if device.type == "cpu":
+                torch.set_num_threads(1)
+            try:
+                costs = profile(model, sample, time=True, device=device)
+                per_param = measure_optimizer(device, kind=optimizer)
+                if loss is not None:
+                    loss_seconds = measure_loss(model, sample, loss, device, output=output)
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            costs = profile(model, sample)
+        loss_bytes = None if loss is None else measure_loss_bytes(model, sample, loss, output=output)
+        experts = layer_expert_costs(model, list(routed.values()))
     return Workload(
         costs=tuple(costs),
         shared=tuple(shared_parameters(layers_of(model))),
@@ -139,8 +177,9 @@ def workload(
         state_multiplier=state_multiplier,
         optimizer_seconds_per_param=per_param,
         loss_seconds=loss_seconds,
-        loss_bytes=None if loss is None else measure_loss_bytes(model, sample, loss, output=output),
+        loss_bytes=loss_bytes,
         tensor_parallel=_gpt_traffic(model) if isinstance(model, GPT) else (),
+        experts=experts,
     )
 
 
@@ -194,7 +233,8 @@ def _profile_rank(
                 "each); rank 0 is stuck or gone"
             )
         start = time.monotonic()
-        profile(model, sample, time=True, device=options["measure_on"], warmup=0, repeats=1)
+        with balanced_routing(model):
+            profile(model, sample, time=True, device=options["measure_on"], warmup=0, repeats=1)
         longest = max(longest, time.monotonic() - start)
     return None
 
