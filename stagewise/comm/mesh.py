@@ -90,7 +90,7 @@ class PipelineMesh:
                 continue
         groups.append(self.batch_group)
         if self.experts is not None:
-            groups += [self.experts.ep, self.experts.replicas]
+            groups += [self.experts.ep, self.experts.replicas, self.experts.backward]
         done: set[int] = set()
         for group in groups:
             if group is dist.group.WORLD or id(group) in done:
@@ -135,6 +135,9 @@ class ExpertGroups:
     replicas: dist.ProcessGroup
     """The ranks of this rank's stage holding the same experts as this one, over which their gradients are summed
     (this rank alone when ``dp x fsdp = ep``)."""
+    backward: dist.ProcessGroup
+    """The ``ep`` ranks again, in a group of their own for the all-to-alls of backwards: a forward and a backward
+    that run at once (see :mod:`stagewise.pipeline.execution.pairs`) each keep their collectives in order."""
 
     @property
     def ep(self) -> dist.ProcessGroup:
@@ -187,7 +190,7 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: f
             mesh_dim_names=("ep",),
         )  # fmt: skip
         replicas = group_of(cut.movedim(1, -1).reshape(-1, dp * fsdp).tolist())
-        experts = ExpertGroups(ep_mesh, replicas)
+        experts = ExpertGroups(ep_mesh, replicas, group_of(lines.tolist()))
     return _Groups(mesh, batch, experts)
 
 

@@ -13,6 +13,7 @@ from stagewise.comm import Layout, PipelineMesh, Transport
 from stagewise.partition import Layer, Partition, shared_parameters
 from stagewise.pipeline.config import LossFn, PipelineOptions, WeightGradientFusion
 from stagewise.pipeline.execution.executor import Executor
+from stagewise.pipeline.loss.routing import routed_layers
 from stagewise.pipeline.loss.sharing import Sharing
 from stagewise.pipeline.parallel.data_parallel import Replicas
 from stagewise.pipeline.parallel.expert_parallel import ExpertParallel, expert_parallel
@@ -206,6 +207,7 @@ def assemble(
             grad_scale=float(mesh.layout.batch_shards) if options.loss.reduction in ("sum", "tokens") else 1.0,
             fusion=placed.fusion,
         )  # fmt: skip
+        executor.exchanging = _exchanging(placed, mesh, options)
         undo.pop_all()
     return Runtime(
         position, placed.stages, placed.model_names, placed.fusion, placed.batch_norm, placed.compiled,
@@ -260,6 +262,15 @@ def _place(
     sharded = None if sharding is None else ShardedStages.over(stages, mesh, sharding, ignored=ignored)
     names = ModelNames(keys, tuple(shared))
     return _Placed(stages, names, fusion, batch_norm, compiled, split, sharded, experts)
+
+
+def _exchanging(placed: _Placed, mesh: PipelineMesh, options: PipelineOptions) -> frozenset[int]:
+    """The stages whose forwards and backwards run in pairs, overlapping their all-to-alls (see
+    :mod:`.execution.pairs`): those with split experts, unless ``tp > 1`` (both would use its group) or the option
+    is off."""
+    if placed.experts is None or mesh.layout.tp > 1 or not options.compute.overlap_all_to_all:
+        return frozenset()
+    return frozenset(s for s, stage in placed.stages.items() if routed_layers(stage.layers))
 
 
 def _split_experts(placed: _Placed) -> set[nn.Parameter] | None:

@@ -337,6 +337,13 @@ class Compute:
     and equal shapes compile nothing after the first step (``Pipeline.compiled_graphs`` counts them). A compiled
     layer's backward is one graph: under a split backward (zero-bubble) I computes its weight gradients too, and
     W has none left to fill the bubble with."""
+    overlap_all_to_all: bool = False
+    """Where a rank's schedule runs a forward and then a whole backward of another stage (DualPipeV's steady
+    state) and their stages exchange tokens by all-to-all (expert parallelism), run the two at once, the backward
+    in a thread of its own, so that one's all-to-all overlaps the other's compute (see
+    :mod:`stagewise.pipeline.execution.pairs`); False: one action at a time. Off by default: where the cores are
+    busy already (more processes than cores, as benchmarks/moe_overlap.py measures on a laptop) the second thread
+    only competes for them."""
 
     def __post_init__(self) -> None:
         if self.autocast is not None and not isinstance(self.autocast, torch.dtype):

@@ -9,6 +9,7 @@ routing bias and a capacity that drops tokens.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +26,7 @@ from stagewise.models.gpt import GPT, GPTConfig
 from stagewise.models.gpt_parallel import plan as gpt_plan
 from stagewise.models.moe import MoEConfig, auxiliary_loss, balance_experts
 from stagewise.partition import Partition
-from stagewise.pipeline import Pipeline, PipelineOptions
+from stagewise.pipeline import Compute, Pipeline, PipelineOptions
 
 STEPS = 3
 CLIP = 0.05
@@ -44,6 +45,8 @@ class Case:
     schedule: str
     moe: MoEConfig = MOE
     label: str = ""
+    overlap: bool = True
+    """Run DualPipeV's forward and backward pairs at once (see stagewise.pipeline.execution.pairs; off by default)."""
 
     @property
     def n_virtual(self) -> int:
@@ -127,15 +130,19 @@ def train(case: Case) -> dict[str, Any]:
     pipe = Pipeline(
         model(case), Partition.from_bounds(bounds(case)), schedule=case.schedule,  # type: ignore[arg-type]
         n_microbatches=case.n_microbatches, loss_fn=GPTConfig.loss, mesh=mesh,  # type: ignore[arg-type]
-        options=PipelineOptions(n_virtual=case.n_virtual, tensor_parallel=gpt_plan),
+        options=PipelineOptions(
+            n_virtual=case.n_virtual, tensor_parallel=gpt_plan, compute=Compute(overlap_all_to_all=case.overlap)
+        ),
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     mine = mesh.share(BATCH)
-    losses, norms, grads = [], [], []
+    losses, norms, grads, paired = [], [], [], 0
     EMPTY.clear()
     for ids, targets in batches():
         opt.zero_grad()
         losses.append(pipe.step(ids[mine], targets[mine]).item())
+        events = pipe._runtime.executor.last_events
+        paired += sum(1 for a, b in itertools.pairwise(events) if a.start == b.start)
         grads.append({n: _whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None})
         norms.append(float(pipe.clip_grad_norm_(CLIP)))
         opt.step()
@@ -144,7 +151,10 @@ def train(case: Case) -> dict[str, Any]:
         n: p.to_local().shape[0] for n, p in pipe.named_parameters() if isinstance(p, DTensor) and ".experts." in n
     }
     pipe.close()
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "experts": experts, "empty": any(EMPTY)}
+    return {
+        "losses": losses, "norms": norms, "grads": grads, "params": params, "experts": experts, "empty": any(EMPTY),
+        "paired": paired,
+    }  # fmt: skip
 
 
 def indivisible() -> str:
@@ -172,6 +182,7 @@ CASES = [Case(*layout, schedule) for layout in LAYOUTS for schedule in ("1f1b", 
 CASES += [
     Case(2, 2, 1, 1, "1f1b", replace(MOE, balancing="bias", bias_rate=0.01, scoring="sigmoid"), "-bias"),
     Case(2, 1, 2, 1, "zero-bubble", replace(MOE, capacity_factor=1.0, shared_experts=0), "-capacity"),
+    Case(2, 2, 1, 1, "dualpipev", label="-one-at-a-time", overlap=False),  # the default
 ]
 
 
@@ -188,7 +199,7 @@ def test_expert_parallel_pipelines_equal_the_unsplit_model(case: Case, outcomes:
     want = unsplit(case)
     held: set[str] = set()
     experts: set[str] = set()
-    empty = False
+    empty, paired = False, 0
     for rank, results in outcomes.items():
         got = results[case.name]
         assert not isinstance(got, str), f"rank {rank}: {got}"
@@ -205,9 +216,12 @@ def test_expert_parallel_pipelines_equal_the_unsplit_model(case: Case, outcomes:
         assert set(got["experts"].values()) <= {MOE.experts // 2}, got["experts"]
         experts |= set(got["experts"])
         empty |= got["empty"]
+        paired += got["paired"]
     assert held == set(want["params"])
     assert experts == {n for n in want["params"] if ".experts." in n}, "every expert tensor is split"
     assert empty, "no expert went without tokens in any micro-batch: the case tests less than it says"
+    # DualPipeV's forward and backward pairs run at once where their stages exchange tokens, without tp.
+    assert (paired > 0) == (case.schedule == "dualpipev" and case.overlap and case.tp == 1), f"{paired} pairs"
 
 
 def test_experts_that_ep_does_not_divide_are_refused_in_one_line(outcomes: dict[int, dict[str, Any]]) -> None:

@@ -17,6 +17,7 @@ from stagewise.pipeline.backward.gradients import grad_tensors, gradient_layout,
 from stagewise.pipeline.backward.plan import BackwardPlan
 from stagewise.pipeline.backward.split import WeightUse, weight_gradients
 from stagewise.pipeline.config import LossFn, WeightGradientFusion
+from stagewise.pipeline.execution.pairs import overlapped_pairs, run_together
 from stagewise.pipeline.execution.receives import ACTIVATIONS, GRADIENTS, LOOKAHEAD, PostedReceives
 from stagewise.pipeline.loss.microbatch import Microbatches, scalar_loss
 from stagewise.pipeline.parallel.data_parallel import Replicas, sync_points
@@ -47,6 +48,30 @@ class _Slot:
     """An input of every fused op of the forward, whose gradient I asks for (see :class:`FusedWeightGradients`)."""
     joint: bool = False
     """W runs one backward over all the owners (the micro-batch DDP synchronises: its hooks fire once)."""
+
+
+@dataclass(frozen=True)
+class _ForwardWork:
+    """A forward's input and how its backward will be taken, before its layers run."""
+
+    data: Payload
+    received: list[Payload]
+    owners: list[WeightUse]
+    plan: BackwardPlan
+    store: WeightGradientStore | None
+    anchor: torch.Tensor | None
+    joint: bool
+
+
+@dataclass(frozen=True)
+class _BackwardWork:
+    """Where a backward starts, before its autograd runs."""
+
+    slot: _Slot
+    roots: list[torch.Tensor]
+    root_grads: list[torch.Tensor | None]
+    wanted: list[torch.Tensor]
+    per_owner: list[list[torch.Tensor]]
 
 
 @dataclass
@@ -130,6 +155,11 @@ class Executor:
         """Factor on the loss gradient (not the loss): ``dp`` for a summed loss, which DDP would otherwise average."""
         self.fusion = fusion
         """Run training forwards under :class:`FusedWeightGradients`; None: never."""
+        self.last_events: list[Event] = []
+        """The actions of the last run, as they ran."""
+        self.exchanging: frozenset[int] = frozenset()
+        """The stages whose layers exchange tokens by all-to-all, whose forwards and backwards run in pairs (see
+        :mod:`.pairs`); empty: one action at a time."""
 
     @functools.cached_property
     def pool(self) -> int | None:
@@ -159,10 +189,17 @@ class Executor:
         """Run ``actions`` in order; ``training=False`` runs forwards only and keeps the last stage's outputs, or
         with ``loss_fn`` and ``targets`` only their weighted loss."""
         run = _Run(self, actions, inputs, targets, loss_fn=loss_fn, training=training)
-        for i, action in enumerate(actions):
-            run.act(i, action)
+        i = 0
+        while i < len(actions):
+            if i in run.pairs:
+                run.act_pair(i)
+                i += 2
+            else:
+                run.act(i, actions[i])
+                i += 1
         run.flush()
         self.transport.wait_sends()
+        self.last_events = run.events
         return StepResult(run.total, run.outputs, run.events, run.receives.spans, run.losses)
 
 
@@ -213,6 +250,14 @@ class _Run:
         sharded = executor.sharded
         self.gathers = None if sharded is None else sharded.around(actions, training=training)
         """Gathers and frees the sharded stages around each action (``gather="micro-batch"``); None: not here."""
+        recomputing = {s for s, stage in executor.stages.items() if stage.checkpointing}
+        together = training and bool(executor.exchanging) and self.gathers is None
+        self.pairs = (
+            overlapped_pairs(actions, exchanging=executor.exchanging, excluded=self.sync, recomputing=recomputing)
+            if together
+            else set()
+        )
+        """Indices of the forwards that run at once with the backward after them (see :mod:`.pairs`)."""
 
     def flush(self) -> None:
         """Compute the pooled weight gradients into ``.grad``, and recycle the buffers they read."""
@@ -250,7 +295,38 @@ class _Run:
             self.gathers.after(i)
         self.events.append(Event(self.x.position, action, began, ended))
 
+    def act_pair(self, i: int) -> None:
+        """Actions ``i`` (a forward) and ``i + 1`` (a whole backward of another stage) at once: their inputs taken
+        here, the backward's autograd on a thread of its own beside the forward's layers, their outputs sent here."""
+        forward, backward = self.actions[i], self.actions[i + 1]
+        self.receives.post(i + 2 + self.x.lookahead)
+        f_in, b_in = self.receives.take(i), self.receives.take(i + 1)
+        began = self._now()
+        f_work, b_work = self._forward_start(forward, f_in), self._backward_start(backward, b_in)
+        ends: dict[str, float] = {}
+
+        def forward_compute() -> object:
+            out = self._forward_compute(forward, f_work)
+            ends["F"] = self._now()
+            return out
+
+        def backward_compute() -> list[torch.Tensor]:
+            grads = self._backward_compute(backward, b_work, sync=False)
+            ends["B"] = self._now()
+            return grads
+
+        out, grads = run_together(forward_compute, backward_compute)
+        self._forward_end(forward, f_work, out)
+        self._backward_end(backward, grads)  # type: ignore[arg-type]
+        self.events.append(Event(self.x.position, forward, began, ends["F"]))
+        self.events.append(Event(self.x.position, backward, began, ends["B"]))
+
     def _forward(self, action: Action, incoming: Payload | None) -> None:
+        work = self._forward_start(action, incoming)
+        self._forward_end(action, work, self._forward_compute(action, work))
+
+    def _forward_start(self, action: Action, incoming: Payload | None) -> _ForwardWork:
+        """What F of ``action`` runs on: its input, and how its backward will be taken."""
         s, mb, x = action.stage, action.microbatch, self.x
         data, received = self._forward_input(s, mb, incoming)
         owners: list[WeightUse] = []
@@ -266,17 +342,29 @@ class _Run:
         plan = BackwardPlan(
             owners if split else None, joint=joint, fused=fused, store=store, pooled=pooled, anchor=anchor
         )
+        return _ForwardWork(data, received, owners, plan, store if split else None, anchor, joint)
+
+    def _forward_compute(self, action: Action, work: _ForwardWork) -> object:
+        """The stage's layers on the forward's input (no transfer: a pair may run it beside a backward)."""
+        stage = self.x.stages[action.stage]
         try:
-            out = x.stages[s].run(data, plan)
+            return stage.run(work.data, work.plan)
         except (RuntimeError, TypeError, ValueError) as err:
-            raise StageError(failure(x.stages[s], mb, data, err)) from err
-        slot = _Slot(data, out, owners, received=received, store=store if split else None, anchor=anchor, joint=joint)  # type: ignore[arg-type]
+            raise StageError(failure(stage, action.microbatch, work.data, err)) from err
+
+    def _forward_end(self, action: Action, work: _ForwardWork, out: object) -> None:
+        """Keep the forward's slot for its backward and take its output where it goes."""
+        s, mb, x = action.stage, action.microbatch, self.x
+        slot = _Slot(
+            work.data, out, work.owners,  # type: ignore[arg-type]
+            received=work.received, store=work.store, anchor=work.anchor, joint=work.joint,
+        )  # fmt: skip
         scored = self._deliver(action, slot)
         if self.training:
             self.slots[(s, mb)] = slot
         else:  # a received buffer the output is a view of stays with the output (kept, or still being sent)
             kept = set() if scored else _storages(out)  # type: ignore[arg-type]
-            for payload in received:
+            for payload in work.received:
                 if not _storages(payload) & kept:
                     x.transport.release(payload)
 
@@ -323,6 +411,11 @@ class _Run:
         return self.x.replicas.prepare(stage, outputs)
 
     def _backward(self, action: Action, incoming: Payload | None, *, sync: bool = False) -> None:
+        work = self._backward_start(action, incoming)
+        self._backward_end(action, self._backward_compute(action, work, sync=sync))
+
+    def _backward_start(self, action: Action, incoming: Payload | None) -> _BackwardWork:
+        """Where B or I of ``action`` starts: its slot, its roots and their gradients, what it is asked for."""
         s, mb = action.stage, action.microbatch
         slot = self.slots[(s, mb)]
         roots, root_grads = self._roots(s, mb, slot, incoming)
@@ -330,18 +423,27 @@ class _Run:
         if slot.anchor is not None:  # fused ops leave their weight gradients in the slot's store: W needs no autograd
             slot.owners = [use for use in slot.owners if not use.fused]
         per_owner = [grad_tensors(use.output) for use in slot.owners]
+        return _BackwardWork(slot, roots, root_grads, wanted, per_owner)
+
+    def _backward_compute(self, action: Action, work: _BackwardWork, *, sync: bool) -> list[torch.Tensor]:
+        """The backward's autograd; returns the stage input's gradients (no transfer)."""
+        s, mb = action.stage, action.microbatch
+        slot, roots, root_grads, wanted, per_owner = work.slot, work.roots, work.root_grads, work.wanted, work.per_owner
         if not roots:  # nothing here depends on a gradient-carrying input or parameter
-            input_grads = [torch.zeros_like(t) for t in wanted]
             slot.owner_grads = [[None] * len(group) for group in per_owner]
             if sync and action.kind is Kind.B:  # the replicas still all-reduce what earlier micro-batches left
                 self.flush()
                 extra = self._arm(s, [])
                 if extra:
                     torch.autograd.backward(extra)
-        elif (s, mb) not in self.split or not (wanted or per_owner):
-            input_grads = self._whole_backward(s, roots, root_grads, wanted, sync=sync)
-        else:
-            input_grads = self._input_backward(slot, roots, root_grads, wanted, per_owner)
+            return [torch.zeros_like(t) for t in wanted]
+        if (s, mb) not in self.split or not (wanted or per_owner):
+            return self._whole_backward(s, roots, root_grads, wanted, sync=sync)
+        return self._input_backward(slot, roots, root_grads, wanted, per_owner)
+
+    def _backward_end(self, action: Action, input_grads: list[torch.Tensor]) -> None:
+        """Send the input's gradients back and, after B, let its slot go."""
+        s, mb = action.stage, action.microbatch
         if s > 0:
             self._answer(action, input_grads)
         if action.kind is Kind.B:

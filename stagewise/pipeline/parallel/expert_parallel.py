@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -30,24 +31,65 @@ from stagewise.pipeline.stage.module import StageModule
 log = logging.getLogger(__name__)
 
 
-class AllToAllDispatch:
-    """Tokens to their experts on the ``ep`` ranks of ``group`` and back, by two all-to-alls with uneven splits
-    (autograd's backward runs them reversed). Every rank of the group calls it once per forward of the layer."""
+class _Exchange(torch.autograd.Function):
+    """Rows to the ranks of a group and back by all-to-all with uneven splits; the backward runs the reverse
+    exchange over a group of its own, so that a backward beside a forward keeps each group's collectives in order."""
 
-    def __init__(self, group: dist.ProcessGroup, *, layer: str, timeout: float) -> None:
-        self.group = group
-        self.ep = group.size()
-        self.layer = layer
-        self.timeout = timeout
+    @staticmethod
+    def forward(
+        ctx: Any, tokens: torch.Tensor, receive: list[int], send: list[int], route: _Route, what: str
+    ) -> torch.Tensor:
+        ctx.receive, ctx.send, ctx.route, ctx.what = receive, send, route, what
+        return route.exchange(tokens, receive, send, route.forward, what)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        back = ctx.route.exchange(grad, ctx.send, ctx.receive, ctx.route.backward, f"{ctx.what}' gradients")
+        return back, None, None, None, None
+
+
+@dataclass(frozen=True)
+class _Route:
+    """The groups a layer's all-to-alls run over, and how their failures are named."""
+
+    forward: dist.ProcessGroup
+    backward: dist.ProcessGroup
+    layer: str
+    timeout: float
+
+    def exchange(
+        self, tokens: torch.Tensor, receive: list[int], send: list[int], group: dist.ProcessGroup, what: str
+    ) -> torch.Tensor:
+        out = tokens.new_empty(sum(receive), *tokens.shape[1:])
+        with self.named(group, what):
+            dist.all_to_all_single(out, tokens.contiguous(), receive, send, group=group)
+        return out
+
+    def named(self, group: dist.ProcessGroup, what: str) -> AbstractContextManager[None]:
+        rank = dist.get_rank()
+        peer = next((r for r in dist.get_process_group_ranks(group) if r != rank), rank)
+        return named_collective(
+            rank=rank, peer=peer, what=f"the all-to-all of {self.layer}'s {what}", timeout=self.timeout
+        )
+
+
+class AllToAllDispatch:
+    """Tokens to their experts on the ``ep`` ranks of ``groups`` and back, by two all-to-alls with uneven splits
+    (their backward runs them reversed, over the backward group). Every rank of the group calls it once per
+    forward of the layer."""
+
+    def __init__(self, groups: ExpertGroups, *, layer: str, timeout: float) -> None:
+        self.route = _Route(groups.ep, groups.backward, layer, timeout)
+        self.ep = groups.ep.size()
 
     def __call__(self, tokens: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         local = counts.numel() // self.ep
         sent = counts.reshape(self.ep, local)  # row j: the tokens for rank j's experts
         got = torch.empty_like(sent)  # row j: the tokens rank j sends for this rank's experts
-        with self._named("token counts"):
-            dist.all_to_all_single(got, sent.contiguous(), group=self.group)
+        with self.route.named(self.route.forward, "token counts"):
+            dist.all_to_all_single(got, sent.contiguous(), group=self.route.forward)
         send, receive = sent.sum(1).tolist(), got.sum(1).tolist()
-        arrived = self._exchange(tokens, receive, send, "tokens")
+        arrived = _Exchange.apply(tokens, receive, send, self.route, "tokens")  # type: ignore[no-untyped-call]
         # Arrived by (source rank, expert); the experts take theirs together: by (expert, source rank).
         blocks = torch.split(arrived, got.flatten().tolist())
         by_expert = [j * local + e for e in range(local) for j in range(self.ep)]
@@ -56,21 +98,8 @@ class AllToAllDispatch:
         back: list[torch.Tensor] = [done[0]] * len(done)
         for position, i in enumerate(by_expert):
             back[i] = done[position]
-        return self._exchange(torch.cat(back), send, receive, "outputs")
-
-    def _exchange(self, tokens: torch.Tensor, receive: list[int], send: list[int], what: str) -> torch.Tensor:
-        out = tokens.new_empty(sum(receive), tokens.shape[1])
-        with self._named(what):
-            moved: torch.Tensor = dist_fn.all_to_all_single(  # type: ignore[no-untyped-call]
-                out, tokens.contiguous(), receive, send, group=self.group
-            )
-        return moved
-
-    def _named(self, what: str) -> Any:
-        rank = dist.get_rank()
-        peer = next((r for r in dist.get_process_group_ranks(self.group) if r != rank), rank)
-        what = f"the all-to-all of {self.layer}'s {what}"
-        return named_collective(rank=rank, peer=peer, what=what, timeout=self.timeout)
+        out: torch.Tensor = _Exchange.apply(torch.cat(back), send, receive, self.route, "outputs")  # type: ignore[no-untyped-call]
+        return out
 
 
 class ExpertParallel:
@@ -93,7 +122,7 @@ class ExpertParallel:
                         f"ep among the divisors of {layer.num_experts}, or a model with a multiple of {ep} experts"
                     )
                 self.parameters += _split(layer.experts, groups, index, ep)
-                layer.dispatch = AllToAllDispatch(groups.ep, layer=name, timeout=timeout)
+                layer.dispatch = AllToAllDispatch(groups, layer=name, timeout=timeout)
         log.info("%d expert tensors are split over %d ep ranks", len(self.parameters), ep)
 
     def synchronise(self) -> None:
