@@ -30,6 +30,12 @@ run mfu_gpu_check 420 "$PY" benchmarks/mfu_gpu_check.py --presets gpt-small,gpt-
 # Memory options on one GPU: checkpointing (whole, selective; under 1F1B, zero-bubble and ZBV), activation offload
 # and FSDP's per-micro-batch gathering and optimizer offload, each against the unsplit model, with its memory and time.
 run memory_gpu_check 300 "$PY" benchmarks/memory_gpu_check.py --preset gpt-small --seq-len 1024 --batch 8 --microbatches 4
+# The mixture-of-experts GPT on one GPU against the unsplit model (1F1B, DualPipeV); with 4 GPUs, expert parallelism
+# (pp2 x dp2, ep=2) under DualPipeV with its forward and backward pairs overlapped and not, on NCCL.
+run moe_gpu_check 240 "$PY" benchmarks/moe_gpu_check.py
+if [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 4 ]; then
+    run moe_overlap 300 "$PY" benchmarks/moe_overlap.py --steps 8 --batch 64 --seq-len 256
+fi
 # A local Hugging Face folder trained from the command line on one GPU.
 "$PY" -c 'import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=256, n_positions=256)).save_pretrained("/tmp/stagewise-hf-gpt2")' > /dev/null 2>&1
 run train_hf 150 "$PY" -m stagewise train --model hf:/tmp/stagewise-hf-gpt2 --pp 1 --steps 30 --seq-len 128 --out /tmp/stagewise-gpu-hf-run
