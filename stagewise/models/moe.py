@@ -289,7 +289,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         recomputing = _in_backward()
-        if self.config.balancing == "bias" and self.training and not recomputing:
+        if self.config.balancing == "bias" and self.training and torch.is_grad_enabled() and not recomputing:
             self._record_load(routing.chosen)
         if self.config.balancing == "aux-loss" and self.config.aux_loss_coefficient:
             loss = self.balance_loss(routing, rows)
