@@ -353,15 +353,17 @@ class Pipeline(HeldStages):
 
         The norm is that of every gradient on every stage (each stage's
         replicas hold the same, already averaged, gradients; a tied
-        parameter counts once), all-reduced over the pipeline group; every
+        parameter counts once; a shard, a tensor-parallel split or the experts
+        one ``ep`` rank holds count once, over all ranks), all-reduced; every
         rank returns it and scales its own gradients by ``max_norm / norm``
         when the norm is larger.
         """
         mine = list(self.parameters())
         counted = [p for p in mine if self._runtime.ties.counted(p)]
         layout = self.mesh.layout
-        sharded = layout.fsdp * layout.tp > 1 or self._runtime.sharded is not None
-        # Sharded: every rank holds a part of the norm, counted once however many ranks hold that part.
+        sharded = layout.fsdp * layout.tp > 1 or self._runtime.sharded is not None or self._runtime.experts is not None
+        # Sharded (or experts split over replicas): every rank holds a part of the norm, counted once however many
+        # ranks hold that part.
         group = world_group() if sharded else self.mesh.pp_group
         copies = functools.partial(held_copies, ranks_per_stage=layout.lines) if sharded else None
         return clip_grad_norm_(

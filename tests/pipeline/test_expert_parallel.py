@@ -218,6 +218,8 @@ def test_expert_parallel_pipelines_equal_the_unsplit_model(case: Case, outcomes:
         empty |= got["empty"]
         paired += got["paired"]
     assert held == set(want["params"])
+    # One norm on every rank: each replica counts every expert, not only its own.
+    assert len({tuple(results[case.name]["norms"]) for results in outcomes.values()}) == 1, "the ranks' norms differ"
     assert experts == {n for n in want["params"] if ".experts." in n}, "every expert tensor is split"
     assert empty, "no expert went without tokens in any micro-batch: the case tests less than it says"
     # DualPipeV's forward and backward pairs run at once where their stages exchange tokens, without tp.
