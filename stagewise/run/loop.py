@@ -38,6 +38,8 @@ from stagewise.pipeline import (
     load_pretrained,
 )
 from stagewise.pipeline.assembly import checked_schedule
+from stagewise.pipeline.loss.routing import routed_layers
+from stagewise.plan.balanced_moe import balanced_routing
 from stagewise.run.config import TrainConfig
 from stagewise.run.data import language_splits
 from stagewise.run.metrics import Destinations, MetricsLog, Recorder, matmul_peak
@@ -154,6 +156,8 @@ def preflight(config: TrainConfig) -> None:
     layers = layers_of(model)
     if config.tp > 1:
         _check_tensor_parallel(config, model_config, model, layers)
+    if config.ep > 1:
+        _check_expert_parallel(config, model)
     n_stages = config.pp * config.virtual
     part = (
         Partition.from_bounds(config.partition)
@@ -196,6 +200,22 @@ def _check_tensor_parallel(
             segment_split(layer.module, layer.name, plan, config.tp)  # raises what tp does not divide
 
 
+def _check_expert_parallel(config: TrainConfig, model: nn.Module) -> None:
+    """Refuse ``ep > 1`` for a model without mixture-of-experts layers, or one whose experts ``ep`` does not divide."""
+    layers = routed_layers([model])
+    if not layers:
+        raise ValueError(
+            f"ep={config.ep} splits mixture-of-experts layers' experts over ranks, but {config.model} has none; "
+            "leave ep at 1 (no --ep), or train a mixture of experts (gpt-moe-tiny)"
+        )
+    for layer in layers:
+        if layer.num_experts % config.ep:
+            raise ValueError(
+                f"ep={config.ep} does not divide the {layer.num_experts} experts of {config.model}'s "
+                f"mixture-of-experts layers; choose ep among the divisors of {layer.num_experts}"
+            )
+
+
 def _micro(config: TrainConfig) -> int:
     """Samples in one micro-batch of one share of the batch (at least 1)."""
     return max(1, config.batch_size // config.batch_shards // config.microbatches)
@@ -233,12 +253,13 @@ def build_pipeline(config: TrainConfig) -> Pipeline:
 
 
 def _assembled(config: TrainConfig) -> _Assembled:
-    mesh = init_mesh(config.pp, config.dp, fsdp=config.fsdp, tp=config.tp, timeout=config.timeout)
+    mesh = init_mesh(config.pp, config.dp, fsdp=config.fsdp, tp=config.tp, ep=config.ep, timeout=config.timeout)
     model_config = model_of(config.model)
     model = _meta_model(config, model_config)
     n_stages = config.pp * config.virtual
     micro = _micro(config)
-    costs = profile(model, _sample(config, model_config, micro))  # on the meta device: FLOPs, for the split and the MFU
+    with balanced_routing(model):  # a mixture of experts cannot route meta tensors: costed with balanced routing
+        costs = profile(model, _sample(config, model_config, micro))  # on meta: FLOPs, for the split and the MFU
     part: Partition = (
         Partition.from_bounds(config.partition)
         if config.partition is not None
