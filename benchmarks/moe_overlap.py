@@ -1,8 +1,9 @@
 """What running DualPipeV's forward and backward pairs at once buys expert parallelism: step time with the pairs'
 all-to-alls overlapped (``Compute(overlap_all_to_all=True)``) against one action at a time, in the same run.
 
-One launch of 4 gloo processes (one thread each) trains an MoE GPT (8 MoE blocks, 8 experts, top 2, one shared
-expert) under DualPipeV, pp2 x dp2 with ep=2 (and pp2 x fsdp2 with ep=2): two pipelines of the same model on the
+Gloo processes (one thread each) train an MoE GPT (8 MoE blocks, 8 experts, top 2, one shared expert) under
+DualPipeV with ep=2: pp1 x dp2 on 2 processes (both of the V's stages on each rank), then pp2 x dp2 and pp2 x fsdp2
+on 4 (more processes than this laptop's 2 cores): two pipelines of the same model on the
 same mesh, one per setting, stepped in turn, so that both see the same machine at the same moments. Each rank
 also sums the seconds its all-to-alls took (waiting for the peer included). One JSON line per layout: the median
 step times, their ratio (overlapped / one at a time), and the all-to-all seconds per step.
@@ -31,8 +32,8 @@ CONFIG = GPTConfig(
     vocab_size=256, seq_len=128, d_model=128, n_layers=8, n_heads=4,
     moe=MoEConfig(experts=8, top_k=2, d_expert=256, shared_experts=1),
 )  # fmt: skip
-BOUNDS = (0, 3, 5, 7, 11)
-"""Four stages over embed, 8 blocks, norm, head: each of DualPipeV's two stages per rank has two MoE blocks."""
+BOUNDS = {1: (0, 5, 11), 2: (0, 3, 5, 7, 11)}
+"""By pipeline ranks: DualPipeV's two stages per rank over embed, 8 blocks, norm, head; each has MoE blocks."""
 
 EXCHANGE = [0.0]
 """Seconds spent in all-to-alls on this rank since the last reset."""
@@ -62,7 +63,7 @@ def rank_times(layouts: list[tuple[int, int, int]], steps: int, m: int, batch: i
             torch.manual_seed(0)
             options = PipelineOptions(n_virtual=2, compute=Compute(overlap_all_to_all=overlap))
             pipes[overlap] = Pipeline(
-                CONFIG.build(), Partition.from_bounds(BOUNDS), schedule="dualpipev", n_microbatches=m,
+                CONFIG.build(), Partition.from_bounds(BOUNDS[pp]), schedule="dualpipev", n_microbatches=m,
                 loss_fn=GPTConfig.loss, mesh=mesh, options=options,
             )  # fmt: skip
         g = torch.Generator().manual_seed(1)
@@ -93,8 +94,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=64)
     ns = parser.parse_args()
-    layouts = [(2, 2, 1), (2, 1, 2)]
-    per_rank = launch(rank_times, 4, layouts, ns.steps, ns.microbatches, ns.batch, ns.seq_len)
+    for layouts in ([(1, 2, 1)], [(2, 2, 1), (2, 1, 2)]):
+        _report(layouts, ns)
+
+
+def _report(layouts: list[tuple[int, int, int]], ns: argparse.Namespace) -> None:
+    """Launch ``layouts`` (of one world size) and print a line for each."""
+    world = layouts[0][0] * layouts[0][1] * layouts[0][2]
+    per_rank = launch(rank_times, world, layouts, ns.steps, ns.microbatches, ns.batch, ns.seq_len)
     for i, (pp, dp, fsdp) in enumerate(layouts):
         # The step ends when the slowest rank ends: its time per step, the median over steps.
         step = {

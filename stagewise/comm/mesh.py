@@ -163,8 +163,8 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: f
     grid = torch.arange(layout.world_size).reshape(shape)
     rank = dist.get_rank()
 
-    def group_of(lines: list[list[int]]) -> dist.ProcessGroup:
-        if world and len(lines) == 1:  # the whole world: the default group, made with the same bound
+    def group_of(lines: list[list[int]], *, own: bool = False) -> dist.ProcessGroup:
+        if world and len(lines) == 1 and not own:  # the whole world: the default group, made with the same bound
             return world_group()
         found: dist.ProcessGroup | None = None
         for ranks in lines:  # every rank makes every group, in the same order
@@ -190,7 +190,7 @@ def _device_mesh(layout: Layout, device: torch.device, backend: Backend, wait: f
             mesh_dim_names=("ep",),
         )  # fmt: skip
         replicas = group_of(cut.movedim(1, -1).reshape(-1, dp * fsdp).tolist())
-        experts = ExpertGroups(ep_mesh, replicas, group_of(lines.tolist()))
+        experts = ExpertGroups(ep_mesh, replicas, group_of(lines.tolist(), own=True))  # never shared with another
     return _Groups(mesh, batch, experts)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -234,3 +235,32 @@ def test_expert_parallelism_borrows_consecutive_ranks_of_fsdp_or_else_dp() -> No
     )
     with pytest.raises(ValueError, match=r"^ep=3 does not divide fsdp=4: .* choose ep among \[1, 2, 4\]"):
         Layout(1, 2, 4, 1, ep=3)
+
+
+def expert_groups_of_rank(pp: int, dp: int, fsdp: int, ep: int) -> dict[str, Any]:
+    mesh = init_mesh(pp, dp, fsdp=fsdp, ep=ep, timeout=30)
+    assert mesh.experts is not None
+    groups = mesh.experts
+    out = {
+        "ep": dist.get_process_group_ranks(groups.ep),
+        "backward": dist.get_process_group_ranks(groups.backward),
+        "replicas": dist.get_process_group_ranks(groups.replicas),
+        # The backward's all-to-alls may run beside the forward's: never on the same group, nor the default one.
+        "backward_apart": groups.backward is not groups.ep and groups.backward is not dist.group.WORLD,
+        "mesh": groups.mesh.mesh.tolist(),
+    }
+    mesh.close()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_expert_groups_are_consecutive_data_ranks_and_the_backward_has_a_group_of_its_own() -> None:
+    got = run_ranks(expert_groups_of_rank, 4, 1, 1, 4, 2)  # fsdp4, ep2: shards (0, 1) and (2, 3) split the experts
+    for rank, groups in got.items():
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert groups["ep"] == groups["backward"] == groups["mesh"] == pair
+        assert groups["replicas"] == [rank % 2, rank % 2 + 2]  # the ranks holding the same experts
+        assert groups["backward_apart"]
+    got = run_ranks(expert_groups_of_rank, 2, 1, 2, 1, 2)  # ep is the world: its backward group is still its own
+    assert all(g["ep"] == [0, 1] and g["backward_apart"] and g["replicas"] == [r] for r, g in got.items())
