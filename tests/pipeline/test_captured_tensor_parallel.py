@@ -20,10 +20,9 @@ from typing import Any, Literal
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import transformers
 from support import gpt_steps
-from support.hf import Kind, batch, config
+from support.hf import Kind, batch, config, lm_loss, steps, train_unsplit
 from support.multiproc import run_ranks
 from support.outcomes import each_case
 from torch import nn
@@ -98,18 +97,6 @@ def hf_model(kind: Kind, attention: str, *, meta: bool) -> nn.Module:
     return cls(cfg).train()
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def steps() -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    out = []
-    for k, length in enumerate(LENGTHS):
-        inputs = batch(BATCH, length, seed=k)
-        out.append((inputs, torch.roll(inputs["input_ids"], -1, dims=1)))
-    return out
-
-
 def initialised(kind: Kind, attention: str, seed: int) -> nn.Module:
     """The model itself (not its capture), initialised as a pipeline's layers are from ``seed``."""
     model = hf_model(kind, attention, meta=True)
@@ -123,15 +110,7 @@ def unsplit(case: Case) -> dict[str, Any]:
         want = gpt_steps.unsplit(tied=False)
         return {"losses": want["losses"], "state": {k: v.detach() for k, v in want["params"].items()}}
     model = initialised(case.kind, case.attention, WEIGHTS_SEED if case.pretrained else SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for inputs, targets in steps():
-        opt.zero_grad()
-        loss = lm_loss(model(**inputs).logits, targets)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return train_unsplit(model, steps(BATCH, LENGTHS), lr=LR)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +155,7 @@ def _train(pipe: Pipeline, case: Case, mesh: PipelineMesh) -> list[float]:
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     mine = mesh.share(BATCH)
     losses = []
-    for inputs, targets in steps():
+    for inputs, targets in steps(BATCH, LENGTHS):
         opt.zero_grad()
         losses.append(pipe.step({k: v[mine] for k, v in inputs.items()}, targets[mine]).item())
         opt.step()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support.gpt_steps import BATCH, CLIP, STEPS, batches
 from support.multiproc import run_ranks
 from support.outcomes import each_case
 from torch.distributed.tensor import DTensor
@@ -28,9 +29,6 @@ from stagewise.models.moe import MoEConfig, auxiliary_loss, balance_experts
 from stagewise.partition import Partition
 from stagewise.pipeline import Compute, Pipeline, PipelineOptions
 
-STEPS = 3
-CLIP = 0.05
-BATCH = 8
 SEQ = 8
 VOCAB = 64
 MOE = MoEConfig(experts=8, top_k=2, d_expert=16, shared_experts=1, dense_layers=1, aux_loss_coefficient=0.1)
@@ -74,15 +72,6 @@ def model(case: Case) -> GPT:
 def bounds(case: Case) -> tuple[int, ...]:
     """Stage bounds over the 7 layers: embed, 4 blocks (the first dense), norm, head."""
     return {1: (0, 7), 2: (0, 3, 7), 4: (0, 2, 4, 5, 7)}[case.pp * case.n_virtual]
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        out.append((ids, torch.roll(ids, -1, dims=1)))
-    return out
 
 
 def unsplit(case: Case) -> dict[str, Any]:

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from support.hf import KINDS, Kind, batch, build
+from support.hf import KINDS, Kind, batch, build, lm_loss, steps, train_unsplit
 from support.multiproc import run_ranks
 
 from stagewise.comm import init_mesh
@@ -25,39 +24,19 @@ SEED = 5
 SCHEDULES = ("1f1b", "gpipe", "zero-bubble", "interleaved-1f1b")
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def steps() -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    out = []
-    for k, length in enumerate(LENGTHS):
-        inputs = batch(BATCH, length, seed=k)
-        out.append((inputs, torch.roll(inputs["input_ids"], -1, dims=1)))  # the next token, every one a target
-    return out
-
-
 @functools.cache
 def unsplit(kind: Kind) -> dict[str, Any]:
     """The model itself (not its capture), initialised as the pipeline's layers are, trained on whole batches."""
     model = build(kind, meta=True)
     materialise_model(capture(model, batch(MICRO, LENGTHS[0], seed=0)), seed=SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for inputs, targets in steps():
-        opt.zero_grad()
-        loss = lm_loss(model(**inputs).logits, targets)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-    return {"losses": losses, "params": {k: v for k, v in model.state_dict().items()}}
+    return train_unsplit(model, steps(BATCH, LENGTHS), lr=0.5)
 
 
 def trained(pipe: Pipeline) -> dict[str, Any]:
     """The losses of ``pipe`` over :func:`steps` of SGD, and its parameters after them."""
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     losses = []
-    for inputs, targets in steps():
+    for inputs, targets in steps(BATCH, LENGTHS):
         opt.zero_grad()
         losses.append(pipe.step(inputs, targets).item())
         opt.step()
@@ -98,8 +77,8 @@ def test_gpt2_llama_and_bert_built_on_meta_train_as_the_unsplit_model_under_ever
                 torch.testing.assert_close(got[case]["losses"], want["losses"], atol=1e-5, rtol=1e-5, msg=case)
                 assert got[case]["allocated"] == got[case]["own"], (case, rank)  # only its own stages are real
                 merged.update(got[case]["params"])
-            assert sorted(merged) == sorted(want["params"]), case
-            for name, value in want["params"].items():
+            assert sorted(merged) == sorted(want["state"]), case
+            for name, value in want["state"].items():
                 torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-5, msg=f"{case}: {name}")
 
 
@@ -122,5 +101,5 @@ def test_a_head_tied_to_the_embedding_of_the_same_stage_gets_each_use_once_under
     got = run_ranks(train_in_one_stage, 1, "zero-bubble", timeout=120)[0]
     want = unsplit("gpt2")
     torch.testing.assert_close(got["losses"], want["losses"], atol=1e-5, rtol=1e-5)
-    for name, value in want["params"].items():
+    for name, value in want["state"].items():
         torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5, msg=name)

@@ -13,9 +13,8 @@ from typing import Any, Literal
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import transformers
-from support.hf import batch
+from support.hf import batch, lm_loss, steps, train_unsplit
 from support.multiproc import run_ranks
 from torch import nn
 
@@ -86,18 +85,6 @@ def build(kind: MoeKind, *, experts: str | None = None, aux_loss: bool = False, 
     return cls(config).train()
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def steps() -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-    out = []
-    for k, length in enumerate(LENGTHS):
-        inputs = batch(BATCH, length, seed=k)
-        out.append((inputs, torch.roll(inputs["input_ids"], -1, dims=1)))
-    return out
-
-
 def bounds(n: int) -> tuple[int, ...]:
     """Two stages: the embedding and the first block, then the other two blocks and the head."""
     return (0, 2, n)
@@ -109,15 +96,7 @@ def unsplit(case: Case) -> dict[str, Any]:
     the loss the pipeline trains: the language model's."""
     model = build(case.kind, experts=case.experts, aux_loss=case.aux_loss)
     materialise_model(capture(model, batch(MICRO, LENGTHS[0], seed=0)), seed=SEED)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for inputs, targets in steps():
-        opt.zero_grad()
-        loss = lm_loss(model(**inputs).logits, targets)
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-    return {"losses": losses, "params": dict(model.state_dict())}
+    return train_unsplit(model, steps(BATCH, LENGTHS), lr=0.5)
 
 
 def train_every_case() -> dict[str, Any]:
@@ -132,7 +111,7 @@ def train_every_case() -> dict[str, Any]:
         )  # fmt: skip
         opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
         losses = []
-        for inputs, targets in steps():
+        for inputs, targets in steps(BATCH, LENGTHS):
             opt.zero_grad()
             losses.append(pipe.step(inputs, targets).item())
             opt.step()
@@ -157,10 +136,10 @@ def test_a_hugging_face_moe_model_trains_in_the_pipeline_as_the_unsplit_model(
     for got in trained.values():
         torch.testing.assert_close(got[case.name]["losses"], want["losses"], atol=1e-5, rtol=1e-5)
         merged.update(got[case.name]["params"])
-    assert sorted(merged) == sorted(want["params"])
-    experts = [name for name in want["params"] if ".experts." in name]
+    assert sorted(merged) == sorted(want["state"])
+    experts = [name for name in want["state"] if ".experts." in name]
     assert experts, "the model has routed experts"
-    for name, value in want["params"].items():
+    for name, value in want["state"].items():
         torch.testing.assert_close(merged[name], value, atol=1e-5, rtol=1e-5, msg=name)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 import transformers
 from torch import nn
 
@@ -55,3 +57,33 @@ def batch(size: int, length: int, *, seed: int) -> dict[str, torch.Tensor]:
     for row in range(0, size, 2):
         mask[row, length - 1 - row % (length - 1) :] = 0
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy averaged over every position."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def steps(size: int, lengths: Sequence[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """One batch of ``size`` samples per length (seeded by its place), with next-token targets."""
+    out = []
+    for k, length in enumerate(lengths):
+        inputs = batch(size, length, seed=k)
+        out.append((inputs, torch.roll(inputs["input_ids"], -1, dims=1)))
+    return out
+
+
+def train_unsplit(
+    model: nn.Module, data: list[tuple[dict[str, torch.Tensor], torch.Tensor]], lr: float
+) -> dict[str, Any]:
+    """``model`` (initialised already) trained by SGD on whole batches of ``data`` on :func:`lm_loss`, in one
+    process: its losses and its state after them."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss = lm_loss(model(**inputs).logits, targets)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
