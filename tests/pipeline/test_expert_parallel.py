@@ -44,6 +44,8 @@ class Case:
     moe: MoEConfig = MOE
     label: str = ""
     overlap: bool = True
+    tied: bool = False
+    """The LM head's weight is the token embedding's (on two stages: their gradients are summed)."""
     """Run DualPipeV's forward and backward pairs at once (see stagewise.pipeline.execution.pairs; off by default)."""
 
     @property
@@ -61,7 +63,9 @@ class Case:
 
 
 def config(case: Case) -> GPTConfig:
-    return GPTConfig(vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=4, n_heads=4, moe=case.moe)
+    return GPTConfig(
+        vocab_size=VOCAB, seq_len=SEQ, d_model=32, n_layers=4, n_heads=4, moe=case.moe, tie_embeddings=case.tied
+    )
 
 
 def model(case: Case) -> GPT:
@@ -86,10 +90,15 @@ def unsplit(case: Case) -> dict[str, Any]:
         loss.backward()
         losses.append(loss.item() + float(auxiliary_loss(net)))
         balance_experts(net)
-        grads.append({n: p.grad.clone() for n, p in net.named_parameters()})
+        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
         norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
         opt.step()
-    return {"losses": losses, "norms": norms, "grads": grads, "params": dict(net.named_parameters())}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "params": dict(net.named_parameters(remove_duplicate=False)),
+    }
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -172,6 +181,7 @@ CASES += [
     Case(2, 2, 1, 1, "1f1b", replace(MOE, balancing="bias", bias_rate=0.01, scoring="sigmoid"), "-bias"),
     Case(2, 1, 2, 1, "zero-bubble", replace(MOE, capacity_factor=1.0, shared_experts=0), "-capacity"),
     Case(2, 2, 1, 1, "dualpipev", label="-one-at-a-time", overlap=False),  # the default
+    Case(2, 2, 1, 1, "1f1b", label="-tied", tied=True),
 ]
 
 
