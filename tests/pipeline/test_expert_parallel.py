@@ -3,8 +3,9 @@ load-balancing term, clipped norms, every gradient and the parameters after 3 Ad
 
 One launch of 4 gloo processes runs pp2 x ep2 (over dp2), ep2 x fsdp2 (pp2 x fsdp2, the experts split over the
 shards) and ep2 x tp2 (dp2 x tp2), each under 1F1B, zero-bubble and DualPipeV, with micro-batches of one sequence,
-so some expert receives no token in some micro-batch (each run records that it happened); and the balancing by
-routing bias and a capacity that drops tokens.
+so some expert receives no token in some micro-batch (each run records that it happened); DualPipeV with its
+forward and backward pairs run at once and one action at a time; the balancing by routing bias, a capacity that
+drops tokens, and an embedding tied to the head across stages.
 """
 
 from __future__ import annotations
