@@ -134,9 +134,11 @@ class Experts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
         """Each of this rank's experts on its tokens: ``tokens`` sorted by local expert, ``counts[e]`` for local
         expert ``e``. An expert without tokens still gives its weights a (zero) gradient."""
-        gate, up, down = (_in_dtype(local_weight(w), tokens.dtype) for w in (self.gate, self.up, self.down))
-        if len(counts) != gate.shape[0]:
-            raise ValueError(f"{len(counts)} token counts for {gate.shape[0]} local experts; give one per expert")
+        # Each weight unbound once into its experts: indexing it per expert would give each index a backward that
+        # builds a zero tensor of the whole stack (a cost growing with the square of the experts).
+        gate, up, down = (_in_dtype(local_weight(w), tokens.dtype).unbind(0) for w in (self.gate, self.up, self.down))
+        if len(counts) != len(gate):
+            raise ValueError(f"{len(counts)} token counts for {len(gate)} local experts; give one per expert")
         parts = torch.split(tokens, list(counts))
         outs = [(F.silu(x @ gate[e]) * (x @ up[e])) @ down[e] for e, x in enumerate(parts)]
         return torch.cat(outs)
