@@ -41,16 +41,17 @@ PUBLIC: dict[str, list[str]] = {
     ],
     "plan": ["Cluster", "Device", "Option", "Plan", "Workload", "evaluate", "plan", "workload"],
     "models": [
-        "GPT", "PRESETS", "CNNConfig", "GPTConfig", "MLPConfig", "ModelConfig", "ResidualMLP", "SmallCNN", "build",
-        "preset",
+        "GPT", "PRESETS", "CNNConfig", "GPTConfig", "MLPConfig", "ModelConfig", "MoEConfig", "ResidualMLP", "SmallCNN",
+        "build", "preset",
     ],
     "run": ["Optimizer", "Summary", "TrainConfig", "build_pipeline", "train"],
 }  # fmt: skip
 """What users call from each subpackage: the names the README and docs/ import, and the types those take and
 return. Everything else is importable from the module that defines it."""
 
-DOCUMENTED_MODULES = {"models": {"gpt_parallel"}}
-"""Modules the API reference documents on a package's page besides its names (GPT's tensor-parallel plan)."""
+DOCUMENTED_MODULES = {"models": {"gpt_parallel", "moe"}}
+"""Modules the API reference documents on a package's page besides its names (GPT's tensor-parallel plan, the
+mixture-of-experts layer)."""
 
 
 def test_each_subpackage_exports_what_users_call_each_with_a_docstring() -> None:

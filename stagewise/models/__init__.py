@@ -3,6 +3,7 @@
 from stagewise.models.cnn import CNNConfig, SmallCNN
 from stagewise.models.gpt import GPT, GPTConfig
 from stagewise.models.mlp import MLPConfig, ResidualMLP
+from stagewise.models.moe import MoEConfig
 from stagewise.models.presets import PRESETS, ModelConfig, build, preset
 
 __all__ = [
@@ -11,6 +12,7 @@ __all__ = [
     "CNNConfig",
     "GPTConfig",
     "MLPConfig",
+    "MoEConfig",
     "ModelConfig",
     "ResidualMLP",
     "SmallCNN",
