@@ -54,7 +54,8 @@ class ParameterUses(TorchFunctionMode):
     reaches it: in its module's own forward, through a functional call on
     another module's weight (tied weights), or through a view. Reads without
     grad mode, of parameters that do not require grad, or whose outputs carry
-    no gradient are not recorded.
+    no gradient are not recorded, nor an op that hands the parameter back
+    itself (``w.to(w.dtype)``): the ops that then read it are.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], uses: list[WeightUse]) -> None:
@@ -97,6 +98,8 @@ class ParameterUses(TorchFunctionMode):
             _refuse_in_place(func, args, self.ids)
             args, kwargs = tree_map_only(torch.Tensor, self._cut, (args, kwargs))
         out = func(*args, **kwargs)
+        if any(out is p for p in read):  # the parameter handed back (``w.to(w.dtype)``): no read, the next op's is
+            return out
         use = WeightUse.of(read, out) if read else None
         if use is not None:
             self._uses.append(use)
