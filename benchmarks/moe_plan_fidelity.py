@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from pipeline_bench import saved_bytes
 from shard_memory import held_bytes
+from shard_plan_fidelity import memory_rows
 
 from stagewise.comm import init_mesh, launch
 from stagewise.models import GPTConfig
@@ -265,16 +266,7 @@ def main() -> None:
         extra = overheads(setting, option.partition, work_at, cluster)
         extra_free = at_load.step_time - extra.step(0.0)
         step = statistics.median(statistics.median(rank["steps"][2:]) for rank in ranks.values())
-        rows = []
-        for r in range(n):
-            stage = r // dp
-            predicted = state[stage] + saved[stage]
-            got = ranks[r]["state"] + ranks[r]["saved"]
-            rows.append({
-                "rank": r, "predicted_mib": round(predicted / 2**20, 1), "measured_mib": round(got / 2**20, 1),
-                "ratio": round(predicted / got, 3), "state_ratio": round(state[stage] / ranks[r]["state"], 3),
-                "saved_ratio": round(saved[stage] / ranks[r]["saved"], 3),
-            })  # fmt: skip
+        rows = memory_rows(state, saved, ranks, per_stage=dp)
         print(json.dumps({
             "bench": "moe_plan_fidelity", "layout": option.describe(),
             "partition": list(option.partition.bounds),

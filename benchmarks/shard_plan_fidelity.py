@@ -25,6 +25,7 @@ import functools
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -140,6 +141,24 @@ def measured(config: TrainConfig) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def memory_rows(
+    state: Sequence[float], saved: Sequence[float], ranks: dict[int, dict[str, Any]], *, per_stage: int
+) -> list[dict[str, Any]]:
+    """Each rank's memory, predicted (its stage's ``state`` and ``saved`` bytes) against measured (its ``"state"``
+    and ``"saved"``), with their ratios; ranks ``r`` hold stage ``r // per_stage``."""
+    rows = []
+    for r in sorted(ranks):
+        stage = r // per_stage
+        predicted = state[stage] + saved[stage]
+        got = ranks[r]["state"] + ranks[r]["saved"]
+        rows.append({
+            "rank": r, "predicted_mib": round(predicted / 2**20, 1), "measured_mib": round(got / 2**20, 1),
+            "ratio": round(predicted / got, 3), "state_ratio": round(state[stage] / ranks[r]["state"], 3),
+            "saved_ratio": round(saved[stage] / ranks[r]["saved"], 3),
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt-small")
@@ -176,16 +195,7 @@ def main() -> None:
         )  # fmt: skip
         ranks = launch(measured, 4, config)
         step = statistics.median(ranks[0]["steps"][2:])
-        rows = []
-        for r in range(4):
-            stage = r // (4 // pp)
-            predicted = state[stage] + saved[stage]
-            got = ranks[r]["state"] + ranks[r]["saved"]
-            rows.append({
-                "rank": r, "predicted_mib": round(predicted / 2**20, 1), "measured_mib": round(got / 2**20, 1),
-                "ratio": round(predicted / got, 3), "state_ratio": round(state[stage] / ranks[r]["state"], 3),
-                "saved_ratio": round(saved[stage] / ranks[r]["saved"], 3),
-            })  # fmt: skip
+        rows = memory_rows(state, saved, ranks, per_stage=4 // pp)
         print(json.dumps({
             "bench": "shard_plan_fidelity", "preset": ns.preset, "layout": option.describe(),
             "partition": list(option.partition.bounds), "ring": link,

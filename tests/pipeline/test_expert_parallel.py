@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support import gpt_steps
 from support.gpt_steps import BATCH, CLIP, STEPS, batches
 from support.multiproc import run_ranks
 from support.outcomes import each_case
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from stagewise.comm import PipelineMesh, init_mesh
@@ -81,25 +83,13 @@ def bounds(case: Case) -> tuple[int, ...]:
 
 def unsplit(case: Case) -> dict[str, Any]:
     """The unsplit model in one process: losses (with the balance loss), clipped norms, gradients, parameters."""
-    torch.set_num_threads(1)
-    net = model(case)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    losses, norms, grads = [], [], []
-    for ids, targets in batches():
-        opt.zero_grad()
-        loss = GPTConfig.loss(net(ids), targets)
-        loss.backward()
-        losses.append(loss.item() + float(auxiliary_loss(net)))
-        balance_experts(net)
-        grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
-        opt.step()
-    return {
-        "losses": losses,
-        "norms": norms,
-        "grads": grads,
-        "params": dict(net.named_parameters(remove_duplicate=False)),
-    }
+    return gpt_steps.train_unsplit(model(case), after_backward=_balance_loss_and_bias)
+
+
+def _balance_loss_and_bias(net: nn.Module) -> float:
+    """The unsplit model's balance loss, after its routing bias moved by the batch's load."""
+    balance_experts(net)
+    return float(auxiliary_loss(net))
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from stagewise.models.gpt import GPT, GPTConfig
 
@@ -35,15 +37,21 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def unsplit(*, tied: bool) -> dict[str, Any]:
     """The unsplit model's losses, clipped norms and gradients per step, and its parameters after the last."""
+    return train_unsplit(model(tied=tied))
+
+
+def train_unsplit(net: nn.Module, after_backward: Callable[[nn.Module], float] | None = None) -> dict[str, Any]:
+    """``net`` trained in one process on :func:`batches` by AdamW with clipping: its losses, clipped norms and
+    gradients per step, and its parameters after the last. ``after_backward(net)``, called after each backward,
+    returns what to add to the step's loss (a mixture of experts' balance loss, say)."""
     torch.set_num_threads(1)
-    net = model(tied=tied)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     losses, norms, grads = [], [], []
     for ids, targets in batches():
         opt.zero_grad()
         loss = GPTConfig.loss(net(ids), targets)
         loss.backward()
-        losses.append(loss.item())
+        losses.append(loss.item() + (after_backward(net) if after_backward is not None else 0.0))
         grads.append({n: p.grad.clone() for n, p in net.named_parameters(remove_duplicate=False)})
         norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
         opt.step()
