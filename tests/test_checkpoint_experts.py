@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import shutil
 import traceback
 from collections.abc import Callable
@@ -161,8 +162,12 @@ def job(root: Path) -> dict[str, Any]:
     """Every case's result on this rank (see the module's docstring)."""
     torch.set_num_threads(1)
     out: dict[str, Any] = {}
-    whole = dataclasses.replace(BASE, checkpoint_dir=str(root / "saved"), checkpoint_every=SAVED_AT)
+    whole = dataclasses.replace(
+        BASE, checkpoint_dir=str(root / "saved"), checkpoint_every=SAVED_AT, metrics=str(root / "metrics.jsonl")
+    )
     out["uninterrupted"] = train(whole).losses
+    if dist.get_rank() == 0:
+        out["metrics"] = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     for name, config in LAYOUTS.items():
         _guarded(out, name, functools.partial(_resumed, root, name, config))
     saved = root / "saved" / f"step-{SAVED_AT:08d}"
@@ -206,6 +211,12 @@ def test_an_ep2_checkpoint_resumes_in_another_ep_with_the_same_next_loss(
     resumed = _agreed(results, layout)
     assert len(resumed) == BASE.steps - SAVED_AT
     assert resumed[0] == pytest.approx(uninterrupted[SAVED_AT], abs=1e-5)
+
+
+def test_the_run_reports_the_balance_loss_inside_its_loss(results: dict[int, dict[str, Any]]) -> None:
+    steps = [record for record in results[0]["metrics"] if "balance_loss" in record]
+    assert [record["step"] for record in steps] == [1, 2, 3]
+    assert all(0 < record["balance_loss"] < record["loss"] for record in steps), steps
 
 
 def test_an_ep2_checkpoint_resumes_bit_for_bit_in_its_own_layout(results: dict[int, dict[str, Any]]) -> None:

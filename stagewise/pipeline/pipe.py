@@ -139,6 +139,10 @@ class Pipeline(HeldStages):
             routed_layers(self.stages.values()), self.mesh, present=bool(routed_layers([model]))
         )
         """This rank's mixture-of-experts layers' balance losses and loads (see :mod:`.loss.routing`)."""
+        self.balance_loss: torch.Tensor | None = None
+        """The last step's load-balancing loss of the model's mixture-of-experts layers (a mean over the global
+        batch's sequences, summed over the layers), included in the loss :meth:`step` returned; None for a model
+        without such layers, or before the first step."""
         self.model_names = self._runtime.model_names
         self.steps = 0
         """Calls of :meth:`step` so far."""
@@ -284,7 +288,8 @@ class Pipeline(HeldStages):
         bad = first_non_finite(result.microbatch_losses)
         loss = self._share_loss(result.loss, tgs, bad_microbatch=bad)
         if self._routing.present:
-            loss = loss + self._routing.finish().to(loss.device)
+            self.balance_loss = self._routing.finish().to(loss.device)
+            loss = loss + self.balance_loss
         where = self._bad_microbatch
         which = f"micro-batch {where} of replica {self.mesh.replica}" if where >= 0 else "in another replica"
         self.skipped = skipped_step(

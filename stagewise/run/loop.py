@@ -337,6 +337,8 @@ class _Stepped:
     loss: float
     grad_norm: float
     """The gradients' global norm before clipping; NaN for a step skipped for a non-finite loss."""
+    balance_loss: float
+    """The mixture-of-experts layers' load-balancing loss, included in ``loss`` (0 without)."""
 
 
 def _train_step(
@@ -355,7 +357,8 @@ def _train_step(
     if not pipe.skipped:
         norm = float(pipe.clip_grad_norm_(config.clip if config.clip > 0 else math.inf))  # inf: measured, not clipped
         optimizer.step()
-    return _Stepped(loss, norm)
+    balance = float(pipe.balance_loss) if pipe.balance_loss is not None else 0.0
+    return _Stepped(loss, norm, balance)
 
 
 def train(
@@ -467,7 +470,10 @@ def _trained(run: _Run, on_step: StepCallback | None, stop: StopSignals | None) 
         summary.losses.append(stepped.loss)
         summary.step_seconds.append(seconds)
         done = step + 1
-        run.recorder.step(done, stepped.loss, stepped.grad_norm, learning_rate(config, step), seconds)
+        run.recorder.step(
+            done, stepped.loss, stepped.grad_norm, learning_rate(config, step), seconds,
+            balance_loss=stepped.balance_loss,
+        )  # fmt: skip
         if on_step is not None:
             on_step(done, stepped.loss, seconds)
         summary.stopped = stop.agreed(pipe.mesh.device) if stop is not None and done < end else None

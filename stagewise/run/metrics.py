@@ -47,6 +47,8 @@ class StepMetrics:
     """Model FLOPs per second over the devices' peak (0 to 1)."""
     peak_memory: tuple[int, ...]
     """Each rank's peak memory so far, bytes: allocated on its GPU, resident on the CPU."""
+    balance_loss: float = 0.0
+    """The mixture-of-experts layers' load-balancing loss, included in ``loss`` (0 for a model without)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ class TensorBoard:
         self.writer = SummaryWriter(log_dir=str(folder))
 
     def step(self, metrics: StepMetrics) -> None:
-        for name in ("loss", "grad_norm", "lr", "step_seconds", "per_second", "mfu"):
+        for name in ("loss", "balance_loss", "grad_norm", "lr", "step_seconds", "per_second", "mfu"):
             self.writer.add_scalar(f"train/{name}", getattr(metrics, name), metrics.step)
         self.writer.add_scalar("train/peak_memory_max", max(metrics.peak_memory), metrics.step)
 
@@ -255,11 +257,14 @@ class Recorder:
         self.peak_flops = peak_flops
         """FLOP/s of every device of the job together."""
 
-    def step(self, step: int, loss: float, grad_norm: float, lr: float, seconds: float) -> StepMetrics:
+    def step(
+        self, step: int, loss: float, grad_norm: float, lr: float, seconds: float, *, balance_loss: float = 0.0
+    ) -> StepMetrics:
         rate = 1 / max(seconds, 1e-9)
         metrics = StepMetrics(
             step=step, loss=loss, grad_norm=grad_norm, lr=lr, step_seconds=seconds, per_second=self.amount * rate,
             mfu=self.flops_per_step * rate / self.peak_flops, peak_memory=every_peak_memory(self.device),
+            balance_loss=balance_loss,
         )  # fmt: skip
         self.log.step(metrics)
         return metrics

@@ -11,6 +11,7 @@ drops tokens, and an embedding tied to the head across stages.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,14 +83,16 @@ def bounds(case: Case) -> tuple[int, ...]:
 
 
 def unsplit(case: Case) -> dict[str, Any]:
-    """The unsplit model in one process: losses (with the balance loss), clipped norms, gradients, parameters."""
-    return gpt_steps.train_unsplit(model(case), after_backward=_balance_loss_and_bias)
+    """The unsplit model in one process: losses (with the balance loss, also on its own), clipped norms,
+    gradients, parameters."""
+    balance: list[float] = []
 
+    def balance_loss_and_bias(net: nn.Module) -> float:
+        balance_experts(net)  # the routing bias moved by the batch's load
+        balance.append(float(auxiliary_loss(net)))
+        return balance[-1]
 
-def _balance_loss_and_bias(net: nn.Module) -> float:
-    """The unsplit model's balance loss, after its routing bias moved by the batch's load."""
-    balance_experts(net)
-    return float(auxiliary_loss(net))
+    return gpt_steps.train_unsplit(model(case), after_backward=balance_loss_and_bias) | {"balance": balance}
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -125,11 +128,12 @@ def train(case: Case) -> dict[str, Any]:
     )  # fmt: skip
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
     mine = mesh.share(BATCH)
-    losses, norms, grads, paired = [], [], [], 0
+    losses, norms, grads, balance, paired = [], [], [], [], 0
     EMPTY.clear()
     for ids, targets in batches():
         opt.zero_grad()
         losses.append(pipe.step(ids[mine], targets[mine]).item())
+        balance.append(float(pipe.balance_loss) if pipe.balance_loss is not None else math.nan)
         events = pipe._runtime.executor.last_events
         paired += sum(1 for a, b in itertools.pairwise(events) if a.start == b.start)
         grads.append({n: _whole(p.grad) for n, p in pipe.named_parameters() if p.grad is not None})
@@ -142,7 +146,7 @@ def train(case: Case) -> dict[str, Any]:
     pipe.close()
     return {
         "losses": losses, "norms": norms, "grads": grads, "params": params, "experts": experts, "empty": any(EMPTY),
-        "paired": paired,
+        "paired": paired, "balance": balance,
     }  # fmt: skip
 
 
@@ -195,6 +199,7 @@ def test_expert_parallel_pipelines_equal_the_unsplit_model(case: Case, outcomes:
         assert not isinstance(got, str), f"rank {rank}: {got}"
         torch.testing.assert_close(got["losses"], want["losses"], atol=1e-5, rtol=1e-5, msg=f"rank {rank}")
         torch.testing.assert_close(got["norms"], want["norms"], atol=1e-5, rtol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(got["balance"], want["balance"], atol=1e-6, rtol=1e-5, msg=f"rank {rank}")
         for step in range(STEPS):
             assert set(got["grads"][step]) == set(got["params"]), f"rank {rank}: parameters without gradients"
             for name, grad in got["grads"][step].items():
