@@ -13,7 +13,7 @@ groups that hold the same experts and divided as DDP and FSDP divide the others'
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from stagewise.comm.errors import named_collective
 from stagewise.comm.mesh import ExpertGroups, PipelineMesh
-from stagewise.pipeline.loss.routing import Routed, routed_layers
+from stagewise.pipeline.loss.routing import Routed
 from stagewise.pipeline.stage.module import StageModule
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,3 @@ def expert_parallel(stages: Mapping[int, StageModule], mesh: PipelineMesh) -> Ex
         return None
     return ExpertParallel(stages, mesh.experts, data_ranks=mesh.layout.batch_shards, timeout=mesh.timeout)
 
-
-def expert_parameters(stages: Sequence[nn.Module]) -> set[nn.Parameter]:
-    """The parameters of the experts inside ``stages``: those FSDP and DDP must leave alone."""
-    return {p for layer in routed_layers(stages) for p in layer.experts.parameters()}
