@@ -172,4 +172,3 @@ def expert_parallel(stages: Mapping[int, StageModule], mesh: PipelineMesh) -> Ex
     if mesh.experts is None:
         return None
     return ExpertParallel(stages, mesh.experts, data_ranks=mesh.layout.batch_shards, timeout=mesh.timeout)
-
