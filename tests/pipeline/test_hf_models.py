@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from support.hf import KINDS, Kind, batch, build, lm_loss, steps, train_unsplit
+from support.hf import KINDS, Kind, batch, build, lm_loss, steps, train_pipeline, train_unsplit
 from support.multiproc import run_ranks
 
 from stagewise.comm import init_mesh
@@ -33,14 +33,8 @@ def unsplit(kind: Kind) -> dict[str, Any]:
 
 
 def trained(pipe: Pipeline) -> dict[str, Any]:
-    """The losses of ``pipe`` over :func:`steps` of SGD, and its parameters after them."""
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
-    losses = []
-    for inputs, targets in steps(BATCH, LENGTHS):
-        opt.zero_grad()
-        losses.append(pipe.step(inputs, targets).item())
-        opt.step()
-    return {"losses": losses, "params": pipe.state_dict()}
+    """The losses of ``pipe`` over the steps of SGD, and its parameters after them."""
+    return train_pipeline(pipe, steps(BATCH, LENGTHS), lr=0.5)
 
 
 def train_every_schedule() -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from support.hf import batch, lm_loss, steps, train_unsplit
+from support.hf import batch, lm_loss, steps, train_pipeline, train_unsplit
 from support.multiproc import run_ranks
 from torch import nn
 
@@ -109,13 +109,7 @@ def train_every_case() -> dict[str, Any]:
             copy.deepcopy(chain), Partition.from_bounds(bounds(len(chain.segments))), schedule=case.schedule,
             n_microbatches=MICRO, loss_fn=lm_loss, mesh=mesh, options=PipelineOptions(seed=SEED),
         )  # fmt: skip
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
-        losses = []
-        for inputs, targets in steps(BATCH, LENGTHS):
-            opt.zero_grad()
-            losses.append(pipe.step(inputs, targets).item())
-            opt.step()
-        results[case.name] = {"losses": losses, "params": pipe.state_dict()}
+        results[case.name] = train_pipeline(pipe, steps(BATCH, LENGTHS), lr=0.5)
         pipe.close()
     dist.destroy_process_group()
     return results

@@ -87,3 +87,14 @@ def train_unsplit(
         losses.append(loss.item())
         opt.step()
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def train_pipeline(pipe: Any, data: list[tuple[dict[str, torch.Tensor], torch.Tensor]], lr: float) -> dict[str, Any]:
+    """A :class:`~stagewise.Pipeline` trained by SGD on ``data``: its losses, and its (unsplit-named) state after."""
+    opt = torch.optim.SGD(pipe.parameters(), lr=lr)
+    losses = []
+    for inputs, targets in data:
+        opt.zero_grad()
+        losses.append(pipe.step(inputs, targets).item())
+        opt.step()
+    return {"losses": losses, "params": pipe.state_dict()}
