@@ -269,7 +269,7 @@ def test_a_routing_bias_moves_with_its_checkpoint_across_ep(results: dict[int, d
 
 
 def test_expert_parallelism_of_a_model_without_experts_is_refused_before_any_process() -> None:
-    from stagewise.run.loop import preflight
+    from stagewise.run.job_pipeline import preflight
 
     with pytest.raises(ValueError, match=r"ep=2 splits mixture-of-experts layers' experts over ranks, but gpt-tiny"):
         preflight(dataclasses.replace(BASE, model="gpt-tiny"))

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stagewise.run.config import Optimizer, TrainConfig
-    from stagewise.run.loop import Summary, build_pipeline, train
+    from stagewise.run.job_pipeline import build_pipeline
+    from stagewise.run.loop import Summary, train
 
 _NAMES = {
     "Optimizer": "stagewise.run.config",
     "TrainConfig": "stagewise.run.config",
     "Summary": "stagewise.run.loop",
-    "build_pipeline": "stagewise.run.loop",
+    "build_pipeline": "stagewise.run.job_pipeline",
     "train": "stagewise.run.loop",
 }
 

@@ -19,7 +19,8 @@ from stagewise import checkpoint
 from stagewise.comm import LaunchError, launch
 from stagewise.errors import JobFailureError
 from stagewise.run.config import TrainConfig
-from stagewise.run.loop import Summary, preflight
+from stagewise.run.job_pipeline import preflight
+from stagewise.run.loop import Summary
 from stagewise.run.rank import Reporter, run_rank
 from stagewise.run.resume import check_resume, fresh_run_refused
 from stagewise.run.runs import writable
@@ -46,7 +47,7 @@ class JobFailedError(JobFailureError):
 
 def checked_before_start(config: TrainConfig, local: LocalLaunch, *, torchrun: bool) -> None:
     """Refuse here what the ranks would refuse: the launch settings, and without torchrun the run's own
-    (:func:`~stagewise.run.loop.preflight`), its resume, and a fresh run into a folder of checkpoints."""
+    (:func:`~stagewise.run.job_pipeline.preflight`), its resume, and a fresh run into a folder of checkpoints."""
     if config.trace is not None:
         writable("--trace", Path(config.trace).parent)
     if local.max_restarts < 0:

@@ -18,7 +18,7 @@ from stagewise.partition import Partition
 from stagewise.pipeline import FullySharded, PipelineOptions, SelectiveCheckpointing
 from stagewise.plan.plan_file import sectioned
 from stagewise.run import Summary, TrainConfig, launching
-from stagewise.run.loop import pipeline_options
+from stagewise.run.job_pipeline import pipeline_options
 from stagewise.schedule import Schedule
 
 

@@ -267,7 +267,7 @@ def test_a_tied_weight_split_unalike_by_its_modules_is_refused() -> None:
 
 def test_train_splits_a_hugging_face_folder_by_its_config_plan_and_refuses_one_without(tmp_path: Path) -> None:
     from stagewise.run import TrainConfig
-    from stagewise.run.loop import pipeline_options, preflight
+    from stagewise.run.job_pipeline import pipeline_options, preflight
 
     for kind in ("llama", "gpt2"):
         settings = config(kind, layers=2)

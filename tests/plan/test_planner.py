@@ -30,7 +30,7 @@ from stagewise.plan.setting import Setting, Settings
 from stagewise.plan.synthesised import synthesised
 from stagewise.plan.workload import PASSES_ALLOWED, Workload, _profile_rank, workload
 from stagewise.run import TrainConfig, train
-from stagewise.run.loop import schedule_of
+from stagewise.run.job_pipeline import schedule_of
 from stagewise.schedule import Schedule, ScheduleName, peak_in_flight, validate
 from stagewise.schedule import build as build_schedule
 from stagewise.schedule.builders import BUILDERS

@@ -15,7 +15,7 @@ from stagewise import checkpoint
 from stagewise.comm import LaunchError
 from stagewise.pipeline import WeightGradientFusion
 from stagewise.run import TrainConfig, build_pipeline, train
-from stagewise.run.loop import pipeline_options
+from stagewise.run.job_pipeline import pipeline_options
 
 
 def test_resume_continues_bitwise_exactly(runs: Runs) -> None:
@@ -179,7 +179,7 @@ def test_a_sharded_layout_trains_as_the_pipeline_does(runs: Runs, tmp_path: Path
 
 
 def test_tensor_parallelism_of_a_model_without_a_plan_is_refused() -> None:
-    from stagewise.run.loop import preflight
+    from stagewise.run.job_pipeline import preflight
 
     with pytest.raises(ValueError, match=r"tp=2: tensor parallelism splits GPT presets' .* mlp-tiny is neither"):
         preflight(dataclasses.replace(BASE, model="mlp-tiny", pp=1, tp=2))
