@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import time
 from contextlib import nullcontext
@@ -215,7 +216,7 @@ def at_partition(option: Option, work: Workload, cluster: Cluster, part: Partiti
     """``option`` evaluated as :func:`~stagewise.plan.evaluate` does, but on the partition ``part``."""
     setting = Settings(work, cluster).of(option)
     assert not isinstance(setting, Rejection), setting
-    result = simulate(setting.schedule, timed(setting, part, cluster))
+    result = simulate(setting.schedule, timed(setting, part, cluster), cores=setting.cores)
     return evaluated(setting, part, result, overheads(setting, part, work, cluster), work, cluster)
 
 
@@ -246,6 +247,7 @@ def main() -> None:
         cluster = Cluster(
             (Device(64 * 2**30, 1e11),) * n, link_bandwidth=1.5e9, link_latency=link["latency"],
             network_bandwidth=link["bandwidth"], gpus_per_node=4, intra_node_bandwidth=link["bandwidth"],
+            host_cores=len(os.sched_getaffinity(0)),  # the 4 ranks take turns on this machine's cores
         )  # fmt: skip
         layout = Option(pp, dp, 1, m, "1f1b", False, ep=ep)
         option = evaluate(layout, work, cluster)

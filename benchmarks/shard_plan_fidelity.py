@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -179,6 +180,7 @@ def main() -> None:
         cluster = Cluster(
             (Device(64 * 2**30, 1e11),) * 4, link_bandwidth=1.5e9, link_latency=link["latency"],
             network_bandwidth=link["bandwidth"], gpus_per_node=4, intra_node_bandwidth=link["bandwidth"],
+            host_cores=len(os.sched_getaffinity(0)),  # the 4 ranks take turns on this machine's cores
             sharding_bandwidth=link["sharding_bandwidth"],
         )  # fmt: skip
         layout = Option(pp, dp, 1, m, "1f1b", False, fsdp=fsdp, tp=tp)

@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PUBLIC: dict[str, list[str]] = {
     "schedule": [
-        "Action", "Kind", "Schedule", "ScheduleError", "ScheduleName", "SimulationResult", "StageCosts", "build",
-        "holdings", "peak_in_flight", "render", "simulate", "synthesise", "to_chrome_trace", "validate",
+        "Action", "Kind", "Schedule", "ScheduleError", "ScheduleName", "SharedCores", "SimulationResult", "StageCosts",
+        "build", "holdings", "peak_in_flight", "render", "simulate", "synthesise", "to_chrome_trace", "validate",
     ],
     "partition": [
         "By", "CapacityError", "CaptureError", "CapturedChain", "Layer", "LayerCost", "MemoryModel", "MemorySetting",

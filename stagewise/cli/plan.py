@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,11 @@ def add(commands: Any) -> None:
         help="bytes/s per device to and from host memory (e.g. 25e9, PCIe 4 x16); with --host-memory",
     )  # fmt: skip
     p.add_argument(
+        "--host-cores", type=args.positive_int, default=None,
+        help="CPU cores a CPU job's ranks share on one machine: with more ranks than cores they take turns, and a "
+        "rank computing while others wait runs faster (default: this machine's with --profile on the cpu)",
+    )  # fmt: skip
+    p.add_argument(
         "--fsdp", type=args.positive_int, default=None, help="shard over this many ranks (default: searched)"
     )
     p.add_argument("--tp", type=args.positive_int, default=None, help="split layers over this many (default: searched)")
@@ -163,11 +169,21 @@ def _cluster(ns: argparse.Namespace) -> Cluster:
             f"{flags[0]} is given without {flags[1]}; offloading to the host needs both, e.g. --host-memory 2TiB "
             "--host-bandwidth 25e9"
         )
+    on_cpu = ns.profile and (ns.device or "cpu") == "cpu"
     return Cluster(
         devices, ns.link_bandwidth, ns.link_latency, ns.network_bandwidth, ns.gpus_per_node, ns.intra_node_bandwidth,
-        host_memory=ns.host_memory, host_bandwidth=ns.host_bandwidth,
-        side_stream=not (ns.profile and (ns.device or "cpu") == "cpu"),
+        host_memory=ns.host_memory, host_bandwidth=ns.host_bandwidth, host_cores=_host_cores(ns, len(devices)),
+        side_stream=not on_cpu,
     )  # fmt: skip
+
+
+def _host_cores(ns: argparse.Namespace, n_devices: int) -> int | None:
+    """``--host-cores``, or this machine's cores where the costs are measured on its CPU for a job on one node."""
+    if ns.host_cores is not None:
+        return int(ns.host_cores)
+    if ns.profile and (ns.device or "cpu") == "cpu" and n_devices <= ns.gpus_per_node:
+        return len(os.sched_getaffinity(0))
+    return None
 
 
 def _pinned(ns: argparse.Namespace, work: Workload, cluster: Cluster) -> list[Option] | None:

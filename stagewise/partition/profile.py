@@ -82,6 +82,14 @@ class LayerCost:
     recompute_bytes: int = 0
     """Bytes the ops selective checkpointing recomputes read and write (norms, activations, additions, rope,
     eager softmax): what their recomputation costs at the device's memory bandwidth."""
+    flush_bytes: int = 0
+    """Bytes of the two largest pooled linears of the layer (input and output bytes each): what flushing a
+    weight-gradient pool of ``k`` backwards concatenates at once, ``k`` times this at most (it concatenates one
+    weight's pooled tensors after another's, the one before still alive)."""
+    checkpoint_flops: int | None = None
+    """Forward FLOPs that whole-layer activation checkpointing recomputes: those of the ops before the forward's
+    last saved tensor. torch stops recomputing once the backward has every tensor the forward saved, so a layer's
+    trailing ops (a GPT block's last matmul, a third of its FLOPs) do not run again. None: the whole forward."""
 
 
 def _tensors(value: object, where: str) -> tuple[torch.Tensor, ...]:
@@ -156,6 +164,8 @@ class _PooledBytes(TorchFunctionMode):
         self.min_elements = min_elements
         self.total = 0
         self.uses = 0
+        self.largest: list[int] = []
+        """The two largest pooled linears' input and output bytes, largest first."""
 
     def __torch_function__(
         self,
@@ -172,7 +182,9 @@ class _PooledBytes(TorchFunctionMode):
             x = args[0] if args else kwargs["input"]
             w = args[1] if len(args) > 1 else kwargs["weight"]
             if isinstance(w, nn.Parameter) and w.requires_grad and w.numel() >= self.min_elements:
-                self.total += x.numel() * x.element_size() + out.numel() * out.element_size()
+                size = x.numel() * x.element_size() + out.numel() * out.element_size()
+                self.total += size
+                self.largest = sorted([*self.largest, size], reverse=True)[:2]
                 return out
         if any(isinstance(a, nn.Parameter) and a.requires_grad for a in tree_leaves((args, kwargs))):
             self.uses += sum(t.numel() * t.element_size() for t in tree_leaves(out) if _needs_grad(t))
@@ -186,11 +198,17 @@ def _needs_grad(value: object) -> bool:
 class _SavedBytes:
     """Saved-tensor hooks that add up the distinct storages autograd keeps, parameters excluded."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, clock: Callable[[], int] | None = None) -> None:
         self.held = {t.untyped_storage() for t in (*module.parameters(), *module.buffers())}
         self.storages: dict[torch.UntypedStorage, int] = {}
+        self.clock = clock
+        """Reads the FLOPs counted so far."""
+        self.last_pack = 0
+        """The FLOPs counted when the last tensor (parameters too) was saved: what checkpointing recomputes."""
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.clock is not None:
+            self.last_pack = self.clock()
         storage = tensor.untyped_storage()
         if storage not in self.held:
             self.storages[storage] = storage.nbytes()
@@ -378,9 +396,9 @@ class _Run:
 
 def _counted_run(work: nn.Module, inputs: Payload, name: str, pooled_min_elements: int) -> _Run:
     """Run ``work`` forward and backward on ``inputs`` once, counting FLOPs, saved, pooled and live bytes."""
-    saved, pooled = _SavedBytes(work), _PooledBytes(pooled_min_elements)
-    live, selective = LiveBytes(), SelectiveCount()
+    pooled, live, selective = _PooledBytes(pooled_min_elements), LiveBytes(), SelectiveCount()
     with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
+        saved = _SavedBytes(work, clock=counter.get_total_flops)
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
         with hooks, FusedAttentionOnMeta(), pooled, live, selective:
             output = work(inputs)
@@ -412,8 +430,10 @@ def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, time: float | Non
         shared_bytes=shared_bytes,
         pooled_bytes=run.pooled.total,
         use_bytes=run.pooled.uses,
+        flush_bytes=sum(run.pooled.largest),
         working_bytes=run.working_bytes,
         selective_bytes=run.selective.kept,
         recompute_flops=run.selective.recompute_flops,
         recompute_bytes=run.selective.recompute_bytes,
+        checkpoint_flops=run.saved.last_pack,
     )

@@ -38,7 +38,8 @@ def step_floor(setting: Setting, workload: Workload, cluster: Cluster) -> float:
     on its gradient as one B, ``P_s + m c_s`` for ``c_s`` its own and ``P_s`` theirs, which no split of the
     layers' ``T`` seconds into ``n`` stages keeps below ``T / (1 - (1 - 1/m)^n)``. On top, the collectives and the
     optimizer step of a rank with the mean of the parameters (the largest holds at least that), on the device
-    that steps fastest, and the routed experts' all-reduce of a rank with the mean of theirs.
+    that steps fastest, and the routed experts' all-reduce of a rank with the mean of theirs. Where ranks share a
+    machine's cores, the pipeline's part at the speed of a rank computing alone.
     """
     o = setting.option
     m, layer = o.n_microbatches, [f + b for f, b in setting.seconds]
@@ -50,14 +51,15 @@ def step_floor(setting: Setting, workload: Workload, cluster: Cluster) -> float:
     experts = sum(setting.layers.expert_bytes) / o.pp  # the routed experts' share a rank holds, on the mean
     optimizer = min(optimizer_seconds([mean], [d], workload, o, cluster, unsharded=[experts]) for d in setting.devices)
     extra = Overheads(sync_seconds([mean], o, cluster), optimizer, 0.0, expert_sync_seconds(experts, o, cluster))
-    return extra.step(pipeline * (1 - SLACK))
+    return extra.step(pipeline / _fastest(setting) * (1 - SLACK))
 
 
 def pipeline_floor(setting: Setting, costs: StageCosts) -> float:
     """Seconds that ``setting``'s schedule takes at least on stages that cost ``costs``: no rank starts a stage's
     first forward before one micro-batch has passed the stages before it, nor ends before its last backward has
     passed them back, and in between it runs its stages' ``m`` forwards and backwards one at a time (with a split
-    backward, its forwards and input passes before the last one passes back)."""
+    backward, its forwards and input passes before the last one passes back); where ranks share a machine's cores,
+    all of it at the speed of a rank computing alone."""
     schedule, m = setting.schedule, setting.option.n_microbatches
     splits = _shape_of(setting).splits
     n = schedule.n_stages
@@ -77,7 +79,13 @@ def pipeline_floor(setting: Setting, costs: StageCosts) -> float:
             floor = max(floor, fill[first] + max(busy, passing))
         else:
             floor = max(floor, fill[first] + busy + drain[first])
-    return floor * (1 - SLACK)
+    return floor / _fastest(setting) * (1 - SLACK)
+
+
+def _fastest(setting: Setting) -> float:
+    """The most that sharing a machine's cores speeds an action up against its costs (1 where each rank has its
+    own device): no bound may assume the costs' speed where a rank alone runs faster."""
+    return 1.0 if setting.cores is None else max(1.0, setting.cores.fastest)
 
 
 def _moments(setting: Setting) -> tuple[tuple[Holding, ...], ...]:

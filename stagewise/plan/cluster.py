@@ -58,6 +58,11 @@ class Cluster:
     host_optimizer_bandwidth: float = 50e9
     """Bytes per second per node at which an offloaded optimizer reads and writes its state on the host (a
     server's CPUs stepping Adam), shared by the node's GPUs."""
+    host_cores: int | None = None
+    """CPU cores that the job's ranks compute on, where they are CPU processes on one machine (gloo): with more
+    ranks than cores they take turns, and a rank computing while others wait runs faster than one among all busy
+    (:class:`~stagewise.schedule.SharedCores`, with :attr:`Workload.profiled_processes`). None: each device
+    computes on its own, as GPUs do."""
     side_stream: bool = True
     """Whether a device overlaps copies and collectives with its compute (a GPU's side streams): FSDP's
     per-action gathers and activation offloading cost only what they take beyond the compute beside them.
@@ -82,6 +87,13 @@ class Cluster:
             raise ValueError(
                 f"{given} is given but {missing} is not; offloading needs both (--host-memory and --host-bandwidth)"
             )
+        if self.host_cores is not None:
+            whole_number("host_cores", self.host_cores, least=1, fix="give the CPU cores the ranks share, or None")
+            if self.n_devices > self.gpus_per_node:
+                raise ValueError(
+                    f"host_cores models one machine's ranks sharing its cores, but the cluster has {self.n_devices} "
+                    f"devices over nodes of {self.gpus_per_node}; give gpus_per_node={self.n_devices}, or no host_cores"
+                )
         if not 0 <= self.link_latency < math.inf:  # also refuses NaN
             raise ValueError(f"link_latency must be >= 0 and finite, got {self.link_latency}")
 

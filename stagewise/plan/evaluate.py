@@ -10,7 +10,13 @@ from stagewise.partition import CapacityError, Partition, balance
 from stagewise.partition.auto import params_of
 from stagewise.plan.cluster import Cluster
 from stagewise.plan.option import Option
-from stagewise.plan.rank_memory import end_multiplier, rank_activation
+from stagewise.plan.rank_memory import (
+    end_multiplier,
+    optimizer_bytes,
+    rank_activation,
+    step_multiplier,
+    whole_copies,
+)
 from stagewise.plan.rejection import Rejection, memory_rejection
 from stagewise.plan.setting import Layers, Setting, Settings, cached_shape
 from stagewise.plan.time_model import expert_sync_seconds, optimizer_seconds, stage_times, sync_seconds, tie_seconds
@@ -124,10 +130,14 @@ def measured(
     fixed = [memory.fixed_bytes(held) for held in mine]
     acts = rank_activation(memory, schedule, layers.costs, stages, layers.recompute, layers.loss_extra)
     peaks = [f + a for f, a in zip(fixed, acts, strict=True)]
+    params = [params_of(setting.costs, layers.shared, held, nbytes=True) for held in mine]
     ending = end_multiplier(workload.state_multiplier, setting.option)
     if ending:  # FSDP's reduce-scatter as a step gathered once ends: more whole copies, no activations
-        params = [params_of(setting.costs, layers.shared, held, nbytes=True) for held in mine]
         peaks = [max(peak, f + (ending - setting.state) * p) for peak, f, p in zip(peaks, fixed, params, strict=True)]
+    if setting.option.fsdp > 1 and setting.option.fsdp_gather == "micro-batch" and not setting.option.offload_optimizer:
+        peaks = per_action_peaks(setting, stages, fixed, params, acts)
+    stepping = stepping_bytes(setting, mine, fixed, params, workload.state_multiplier)
+    peaks = [max(peak, s) for peak, s in zip(peaks, stepping, strict=True)]
     step = extra.step(result.step_time)
     option = setting.option
     host = host_bytes(setting, part) if option.offload_optimizer or option.offload_activations else []
@@ -144,6 +154,58 @@ def measured(
         simulation=result,
         rejected=why,
     )
+
+
+def per_action_peaks(
+    setting: Setting, stages: Sequence[range], fixed: Sequence[float], params: Sequence[float], acts: Sequence[float]
+) -> list[float]:
+    """Per rank whose stages FSDP gathers around each action (``fsdp_gather="micro-batch"``; ``fixed`` bytes of
+    its memory model, ``params`` bytes of parameters, ``acts`` of activations at their fullest): the more of two
+    moments, with its share of the sharded state and one of its stages whole at a time (``W`` bytes of whole
+    parameters, its largest stage's):
+
+    - amid the activations at their fullest: the whole parameters and the whole gradients a backward makes
+      while it frees its micro-batch's activations (``2 W``);
+    - the reduce-scatter after a backward: the whole parameters, gradients and the reduce-scatter's input
+      (``3 W``), that backward's micro-batch freed (the stage's one micro-batch's activations less).
+
+    The search's fit test counts :func:`~stagewise.plan.rank_memory.whole_copies` amid the activations instead,
+    more than either."""
+    option, costs, shared, memory = setting.option, setting.costs, setting.layers.shared, setting.memory
+    copies = whole_copies(option)
+    out = []
+    for rank, (f, p, a) in enumerate(zip(fixed, params, acts, strict=True)):
+        sharded = f - copies * p
+        whole = [(params_of(costs, shared, stages[s], nbytes=True), s) for s in setting.schedule.stages_of(rank)]
+        amid = sharded + 2 * max(w for w, _ in whole) + a
+        after = max(sharded + 3 * w + a - memory.kept(stages[s].start, stages[s].stop) for w, s in whole)
+        out.append(max(amid, after))
+    return out
+
+
+def stepping_bytes(
+    setting: Setting,
+    ranks: Sequence[Collection[int]],
+    fixed: Sequence[float],
+    params: Sequence[float],
+    multiplier: float,
+) -> list[float]:
+    """Per rank holding the layers ``ranks`` lists (``fixed`` bytes of its memory model, ``params`` bytes of
+    parameters): what it holds while its optimizer steps, the activations gone: its share of the weights,
+    gradients and optimizer state (:func:`~stagewise.plan.rank_memory.step_multiplier`), its buffers, and the
+    step's temporaries over that share (:func:`~stagewise.plan.rank_memory.optimizer_bytes`). The fullest
+    moment of a rank whose activations are small (a first or last stage under activation checkpointing)."""
+    option, costs = setting.option, setting.costs
+    held = step_multiplier(multiplier, option)
+    out = []
+    for layers, f, p in zip(ranks, fixed, params, strict=True):
+        if option.offload_optimizer or not layers:
+            out.append(f - setting.state * p)
+            continue
+        largest = max(costs[i].param_bytes for i in layers)  # a layer's parameters stand for its largest tensor
+        temporaries = optimizer_bytes(p, largest, multiplier) / option.fsdp
+        out.append(f + (held - setting.state) * p + temporaries)
+    return out
 
 
 def host_rejection(host: Sequence[float], cluster: Cluster) -> str | None:
@@ -175,5 +237,5 @@ def evaluate(option: Option, workload: Workload, cluster: Cluster) -> Option:
     part = partitioned(setting)
     if isinstance(part, Rejection):
         return rejected(option, part)
-    result = simulate(setting.schedule, timed(setting, part, cluster))
+    result = simulate(setting.schedule, timed(setting, part, cluster), cores=setting.cores)
     return measured(setting, part, result, overheads(setting, part, workload, cluster), workload, cluster)

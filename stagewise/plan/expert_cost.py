@@ -153,6 +153,7 @@ def without_experts(cost: LayerCost, experts: ExpertCost) -> LayerCost:
         forward_flops=max(0, cost.forward_flops - experts.forward_flops),
         saved_bytes=max(0, cost.saved_bytes - experts.saved_bytes),
         selective_bytes=max(0, cost.selective_bytes - experts.selective_bytes),
+        checkpoint_flops=None,  # where the experts fall in what checkpointing recomputes is not known: all of it
         time=_time_scaled(cost, flops),
     )
 

@@ -78,6 +78,24 @@ def working(costs: Sequence[LayerCost], layers: Sequence[int], recompute: float,
     return recompute + max([loss, *(costs[i].working_bytes for i in layers)])
 
 
+def flush_bytes(
+    memory: MemoryModel, schedule: Schedule, costs: Sequence[LayerCost], stage: int, layers: range
+) -> float:
+    """Bytes a stage's weight-gradient pool holds on top of its pooled tensors while it flushes: each weight's
+    gradient is one GEMM over the concatenation of its pooled output gradients and inputs (``torch.cat`` over the
+    ``k`` backwards the pool holds), one weight after another, the previous weight's concatenation alive while
+    the next is made. Counted as ``k`` times the most that one of the stage's layers holds so
+    (:attr:`LayerCost.flush_bytes`, its two largest pooled linears). None where the pool holds one backward
+    (nothing is concatenated) or the stage pools nothing (sharded stages; a split backward, whose ``pooled``
+    counts micro-batches waiting for W)."""
+    if schedule.splits_backward or not memory.pooled:
+        return 0.0
+    pool = max(h.pooled for h in memory.moments(stage))
+    if pool < 2:
+        return 0.0
+    return pool * max(costs[i].flush_bytes for i in layers)
+
+
 def rank_activation(
     memory: MemoryModel,
     schedule: Schedule,
@@ -88,12 +106,47 @@ def rank_activation(
 ) -> list[float]:
     """Per rank: the bytes its stages hold for backward at their fullest (micro-batches in flight and pooled weight
     gradients) plus the most that computing one micro-batch holds on top (``recompute`` bytes of a recomputed
-    layer, ``loss_extra`` of the loss on the last stage)."""
+    layer, ``loss_extra`` of the loss on the last stage) or that flushing a stage's weight-gradient pool does
+    (:func:`flush_bytes`), whichever is more."""
     last = len(stages) - 1
     return [
         sum(memory.stage_bytes(s, stages[s].start, stages[s].stop) - memory.fixed_bytes(stages[s]) for s in mine)
-        + max(  # a rank computes one micro-batch at a time
-            working(costs, stages[s], recompute, loss_extra if s == last else 0.0) for s in mine
+        + max(  # a rank computes one micro-batch, or flushes one pool, at a time
+            max(
+                working(costs, stages[s], recompute, loss_extra if s == last else 0.0),
+                flush_bytes(memory, schedule, costs, s, stages[s]),
+            )
+            for s in mine
         )
         for mine in (schedule.stages_of(r) for r in range(schedule.n_ranks))
     ]
+
+
+OPTIMIZER_TEMPORARIES = 1.0
+"""Copies of every parameter an AdamW step allocates for a moment with torch's multi-tensor (``foreach``)
+implementation, the default on accelerators: the square root of the second moment, for all parameters at once."""
+
+PER_TENSOR_TEMPORARIES = 2.0
+"""Copies of one parameter an AdamW step allocates for a moment with torch's per-tensor implementation, the
+default on the CPU: the square root of its second moment and that divided by the bias correction, one parameter
+after another."""
+
+
+def optimizer_bytes(params: float, largest: float, multiplier: float) -> float:
+    """Bytes an optimizer step allocates for a moment over a rank's ``params`` parameter bytes, ``largest`` of
+    them in its largest tensor: for AdamW (``multiplier >= 4``: weights, gradients and two moments) the larger of
+    torch's two implementations' temporaries, one copy of every parameter (:data:`OPTIMIZER_TEMPORARIES`) or two
+    of its largest (:data:`PER_TENSOR_TEMPORARIES`); none for SGD with momentum (``multiplier`` below 4), which
+    steps in place."""
+    if multiplier < 4:
+        return 0.0
+    return max(OPTIMIZER_TEMPORARIES * params, PER_TENSOR_TEMPORARIES * largest)
+
+
+def step_multiplier(multiplier: float, option: Option) -> float:
+    """Copies of each parameter a rank holds on its device while its optimizer steps, its activations gone: its
+    ``1/fsdp`` share of the weights, gradients and optimizer state (FSDP's whole copies are freed by then); none
+    with the optimizer offloaded (it steps on the host)."""
+    if option.offload_optimizer:
+        return 0.0
+    return multiplier / option.fsdp

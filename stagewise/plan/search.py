@@ -61,7 +61,7 @@ def _exact(setting: Setting, workload: Workload, cluster: Cluster, bar: float) -
     extra = overheads(setting, part, workload, cluster)
     if extra.step(pipeline_floor(setting, costs)) > bar:
         return None
-    return measured(setting, part, simulate(setting.schedule, costs), extra, workload, cluster)
+    return measured(setting, part, simulate(setting.schedule, costs, cores=setting.cores), extra, workload, cluster)
 
 
 def search(candidates: Sequence[Option], workload: Workload, cluster: Cluster, top: int) -> Searched:

@@ -28,7 +28,7 @@ from stagewise.plan.time_model import (
     recompute_seconds,
 )
 from stagewise.plan.workload import Workload
-from stagewise.schedule import Schedule, ScheduleName, build, holdings, peak_in_flight
+from stagewise.schedule import Schedule, ScheduleName, SharedCores, build, holdings, peak_in_flight
 from stagewise.schedule.builders import BUILDERS
 from stagewise.schedule.holdings import FREE, Holding
 
@@ -120,15 +120,31 @@ def scaled(
                 shared_bytes=0 if checkpointing else int(c.shared_bytes * factor),  # each keeps its own input
                 time=None if c.time is None else c.time * factor,
                 pooled_bytes=int(c.pooled_bytes * factor),
+                flush_bytes=int(c.flush_bytes * factor),
                 use_bytes=int(c.use_bytes * factor),
                 working_bytes=int(c.working_bytes * factor),
                 selective_bytes=int(c.selective_bytes * factor),
                 recompute_flops=int(c.recompute_flops * factor),
                 recompute_bytes=int(c.recompute_bytes * factor),
+                checkpoint_flops=None if c.checkpoint_flops is None else int(c.checkpoint_flops * factor),
             )
         )
         previous = c.output_bytes * factor
     return out
+
+
+def loss_beyond(loss_bytes: int | None, factor: float, last: LayerCost, checkpointing: Checkpointing) -> float:
+    """Bytes the loss holds while it runs beyond what the last layer's saved bytes count (``last`` as
+    :func:`scaled` made it, for a micro-batch ``factor`` times the profiled one): its measured bytes
+    (:attr:`Workload.loss_bytes`, the model's output included) less the output-sized tensor :func:`scaled` counts
+    as saved and, under selective checkpointing, less the output itself where the last layer keeps it: the
+    output of a matmul (a language model's head, whose logits the loss reads) is what selective checkpointing
+    keeps of that layer, one storage the loss and the layer share, counted once (as the layer's,
+    ``min(selective_bytes, output_bytes)``). None known: 0."""
+    if loss_bytes is None:
+        return 0.0
+    kept = min(last.selective_bytes, last.output_bytes) if checkpointing == "selective" else 0
+    return max(0.0, loss_bytes * factor - last.output_bytes - kept)
 
 
 @dataclass(frozen=True)
@@ -227,6 +243,8 @@ class Setting:
     """Copies of each parameter a rank holds at its fullest (:func:`~stagewise.plan.rank_memory.state_multiplier`)."""
     host_state: float = 0.0
     """Copies of each parameter a rank keeps in host memory (:func:`~stagewise.plan.rank_memory.host_multiplier`)."""
+    cores: SharedCores | None = None
+    """How the ranks share a machine's CPU cores (:attr:`Cluster.host_cores`); None: each computes on its own."""
 
     @functools.cached_property
     def peaks(self) -> tuple[int, ...]:
@@ -319,6 +337,9 @@ class Settings:
             transient=transient,
             state=state_multiplier(workload.state_multiplier, option),
             host_state=host_multiplier(workload.state_multiplier, option),
+            cores=None
+            if cluster.host_cores is None
+            else SharedCores(cluster.host_cores, option.ranks_per_stage, workload.profiled_processes),
         )
 
     def _layers_of(self, factor: float, option: Option, fastest: Device) -> Layers:
@@ -348,9 +369,7 @@ class Settings:
             recompute = max(c.saved_bytes - c.selective_bytes for c in workload.costs) * factor
         else:
             recompute = max(c.saved_bytes for c in workload.costs) * factor if ckpt else 0.0
-        # What the loss holds beyond the output-sized tensor scaled() counts as saved.
-        loss_bytes = workload.loss_bytes
-        loss_extra = 0.0 if loss_bytes is None else max(0.0, loss_bytes * factor - costs[-1].output_bytes)
+        loss_extra = loss_beyond(workload.loss_bytes, factor, costs[-1], ckpt)
         every = range(len(costs))
         loss_f, loss_b = workload.loss_seconds
         collectives = collective_seconds(costs, traffic, tp, cluster, input_bytes)

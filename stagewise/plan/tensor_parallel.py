@@ -41,6 +41,7 @@ def split_costs(costs: list[LayerCost], traffic: Sequence[LayerTraffic] | None, 
                 selective_bytes=int(c.selective_bytes * kept),
                 recompute_flops=c.recompute_flops // tp,
                 recompute_bytes=int(c.recompute_bytes * kept),
+                checkpoint_flops=None if c.checkpoint_flops is None else c.checkpoint_flops // tp,
             )
         )
     return out

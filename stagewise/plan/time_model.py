@@ -71,16 +71,20 @@ def layer_seconds(cost: LayerCost, flops_per_second: float) -> tuple[float, floa
 def recompute_seconds(cost: LayerCost, device: Device, checkpointing: Checkpointing) -> float:
     """Seconds a backward spends recomputing ``cost``'s forward under ``checkpointing`` (collectives aside).
 
-    Whole layers recompute the whole forward. Selective recomputes the ops it does not keep: their FLOPs at
-    the device's speed plus the bytes they read and write at its memory bandwidth
-    (:attr:`~stagewise.partition.LayerCost.recompute_flops`, :attr:`~stagewise.partition.LayerCost.recompute_bytes`);
-    with measured times, that share of the measured forward, the forward taken as its FLOPs plus those bytes.
+    Whole layers recompute their forward up to its last saved tensor, that share of its forward's FLOPs
+    (:attr:`~stagewise.partition.LayerCost.checkpoint_flops`; the whole forward where not counted). Selective
+    recomputes the ops it does not keep: their FLOPs at the device's speed plus the bytes they read and write at its
+    memory bandwidth (:attr:`~stagewise.partition.LayerCost.recompute_flops`,
+    :attr:`~stagewise.partition.LayerCost.recompute_bytes`); with measured times, that share of the measured
+    forward, the forward taken as its FLOPs plus those bytes.
     """
     if checkpointing is False:
         return 0.0
     forward = layer_seconds(cost, device.flops)[0]
     if checkpointing is True:
-        return forward
+        if cost.checkpoint_flops is None or not cost.forward_flops:
+            return forward
+        return forward * min(1.0, cost.checkpoint_flops / cost.forward_flops)
     moved = cost.recompute_bytes / device.memory_bandwidth
     modelled = cost.recompute_flops / device.flops + moved
     if cost.time is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import tempfile
@@ -78,6 +79,9 @@ class Workload:
     tensor_parallel: tuple[tuple[int, tuple[LayerTraffic, ...] | str], ...] = ()
     """Per tensor-parallel degree: each layer's split and collectives under the model's plan, or why the plan
     cannot split the model that many ways. A degree not listed: the model has no plan."""
+    profiled_processes: int = 1
+    """Processes that computed at once on the machine while the costs were measured (:func:`workload_under_load`'s
+    ``concurrent``): with :attr:`Cluster.host_cores`, the load the measured times were taken under."""
     experts: tuple[ExpertCost | None, ...] = ()
     """Per layer: what its mixture-of-experts layers' routed experts cost under balanced routing (None: it has
     none; included in :attr:`costs`, which the planner splits apart); empty: the model has no experts."""
@@ -94,6 +98,7 @@ class Workload:
         return found
 
     def __post_init__(self) -> None:
+        whole_number("profiled_processes", self.profiled_processes, least=1, fix="give the processes measuring at once")
         for name, fix in _COUNTS.items():
             whole_number(name, getattr(self, name), least=1, fix=fix)
         if not 0 <= self.state_multiplier < math.inf:
@@ -274,4 +279,4 @@ def workload_under_load(
     with tempfile.TemporaryDirectory(prefix="stagewise-plan-") as folder:
         measured = launch(_profile_rank, concurrent, build, args, options, str(Path(folder) / "done"))[0]
     assert measured is not None
-    return measured
+    return dataclasses.replace(measured, profiled_processes=concurrent)

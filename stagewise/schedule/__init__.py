@@ -5,6 +5,7 @@ from stagewise.schedule.builders import ScheduleName, build
 from stagewise.schedule.dependencies import ScheduleError
 from stagewise.schedule.holdings import holdings
 from stagewise.schedule.render import render, to_chrome_trace
+from stagewise.schedule.shared_cores import SharedCores
 from stagewise.schedule.simulate import SimulationResult, StageCosts, simulate
 from stagewise.schedule.synthesis import synthesise
 from stagewise.schedule.validate import peak_in_flight, validate
@@ -15,6 +16,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleName",
+    "SharedCores",
     "SimulationResult",
     "StageCosts",
     "build",

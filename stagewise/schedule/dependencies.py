@@ -93,13 +93,14 @@ def execute(
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise ScheduleError(_describe_deadlock(schedule, position, ended, backward))
+            raise ScheduleError(deadlock_message(schedule, position, ended, backward))
     return events
 
 
-def _describe_deadlock(
+def deadlock_message(
     schedule: Schedule, position: list[int], ended: dict[Action, float], backward: dict[tuple[int, int], Kind]
 ) -> str:
+    """Why no rank can go on: each waiting rank, its next action (``position``) and the inputs it waits for."""
     waits = []
     for rank, actions in enumerate(schedule.ranks):
         if position[rank] >= len(actions):

@@ -10,6 +10,7 @@ from typing import cast
 
 from stagewise.schedule.actions import Action, Kind, Schedule
 from stagewise.schedule.dependencies import Event, execute
+from stagewise.schedule.shared_cores import SharedCores, execute_shared
 from stagewise.schedule.validate import validate
 
 
@@ -151,12 +152,15 @@ class SimulationResult:
     """Every action with its rank, start and end, in the order they were placed."""
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> SimulationResult:
+def simulate(schedule: Schedule, costs: StageCosts, *, cores: SharedCores | None = None) -> SimulationResult:
     """Run ``schedule`` against ``costs`` in simulated time.
 
     Each rank runs its actions in order; an action starts when its rank is
     free and its inputs have arrived (an input from another rank arrives the
     boundary's transfer time after it was made). The schedule is validated first.
+    With ``cores``, the ranks are processes taking turns on fewer CPU cores than
+    they are: each action runs at the speed that the ranks computing beside it
+    leave it (:class:`~stagewise.schedule.shared_cores.SharedCores`).
     """
     if len(costs.forward) != schedule.n_stages:
         raise ValueError(
@@ -164,7 +168,11 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimulationResult:
             "build StageCosts with the schedule's stage count"
         )
     report = validate(schedule)
-    events = execute(schedule, costs.duration, costs.crossing)
+    events = (
+        execute(schedule, costs.duration, costs.crossing)
+        if cores is None
+        else execute_shared(schedule, costs.duration, costs.crossing, cores)
+    )
     start = min(e.start for e in events)
     step = max(e.end for e in events) - start
     busy = [0.0] * schedule.n_ranks

@@ -9,9 +9,12 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from stagewise.models import GPT, GPTConfig
 from stagewise.partition import LayerCost, capture, memory_model, profile
+from stagewise.partition.attention import FLOP_FORMULAS
 
 
 def test_linear_flops_params_and_bytes() -> None:
@@ -352,3 +355,32 @@ def test_selective_checkpointing_keeps_the_matmuls_outputs_and_recomputes_the_re
     assert cost.recompute_bytes == 2 * 4 * 16 * 4
     assert cost.recompute_flops == 0
     assert cost.selective_bytes < cost.saved_bytes
+
+
+def _flops_torch_recomputes(layer: nn.Module, x: torch.Tensor) -> int:
+    """The FLOPs torch's own checkpointing runs again in backward: a checkpointed backward's less a plain one's."""
+    counts = []
+    for checkpointed in (False, True):
+        x = x.detach().requires_grad_()
+        out = checkpoint(layer, x, use_reentrant=False) if checkpointed else layer(x)
+        with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:  # fused attention too
+            out.sum().backward()
+        counts.append(counter.get_total_flops())
+    return counts[1] - counts[0]
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_whole_layer_checkpointing_recomputes_up_to_the_last_saved_tensor_as_torch_does(device: str) -> None:
+    # fc2 saves its input (GELU's output) before it multiplies, and torch stops recomputing there: fc1's matmul
+    # runs again, fc2's does not.
+    block = _Block().to(device)
+    x = torch.randn(4, 8, device=device)
+    (cost,) = profile(nn.Sequential(block), x)
+    assert cost.checkpoint_flops == 2 * 4 * 8 * 16
+    assert cost.checkpoint_flops == _flops_torch_recomputes(block, x)
+    config = GPTConfig(vocab_size=64, seq_len=32, d_model=32, n_heads=4, n_layers=1)
+    gpt_block = GPT(config).blocks[0].to(device)
+    h = torch.randn(2, 32, 32, device=device)
+    (block_cost,) = profile(nn.Sequential(gpt_block), h)
+    assert block_cost.checkpoint_flops == _flops_torch_recomputes(gpt_block, h)
+    assert 0 < block_cost.checkpoint_flops < block_cost.forward_flops

@@ -96,10 +96,11 @@ def test_gathering_per_micro_batch_holds_the_shards_and_one_stage_whole_and_hide
     fixed = [m - a for m, a in zip(step.rank_memory, step.rank_activation, strict=True)]
     fixed_each = [m - a for m, a in zip(each.rank_memory, each.rank_activation, strict=True)]
     # Weights and Adam's moments sharded over 2 (1.5 GiB a layer; zero_grad left no gradients), plus the whole
-    # parameters and gradients of both stages (2 a layer), against the sharded gradients too (0.5) and the whole
-    # parameters, gradients and reduce-scatter input of the stage at work, over two stages (1.5 a layer).
+    # parameters and gradients of both stages (2 a layer), against the sharded gradients too (0.5 a layer, 2 GiB
+    # a rank) and one stage whole: amid the activations its parameters and the gradients its backward makes (2
+    # GiB), or after a backward its reduce-scatter too (3 GiB) with that micro-batch's 1 GiB freed.
     assert fixed == pytest.approx([2 * (1.5 + 2) * GiB] * 2)
-    assert fixed_each == pytest.approx([2 * (2 + 1.5) * GiB] * 2)
+    assert fixed_each == pytest.approx([2 * 2 * GiB + 2 * GiB] * 2)
     # Once a step: an all-gather and a reduce-scatter of a rank's 2 GiB; per action they hide under 1 s of compute.
     gather = ring_seconds(2 * GiB, 2, 300e9, 20e-6, all_reduce=False)
     assert step.step_time - each.step_time == pytest.approx(2 * gather, rel=1e-6)

@@ -76,6 +76,28 @@ def test_mixed_devices_keep_the_same_top() -> None:
     assert_same_top(gpt("gpt-tiny", 16, 128), Cluster(devices, gpus_per_node=2), (1, 4))
 
 
+def test_ranks_sharing_fewer_cores_keep_the_same_top_and_run_no_slower_for_it() -> None:
+    # A CPU job of 4 ranks on 2 cores, profiled with all 4 busy: a rank alone in the bubble runs twice as fast, so
+    # the bounds must not assume the costs' speed.
+    work = dataclasses.replace(gpt("gpt-tiny", 16, 64), profiled_processes=4)
+    plain = Cluster((Device(GiB, 1e13),) * 4, gpus_per_node=4)
+    shared = dataclasses.replace(plain, host_cores=2)
+    full = assert_same_top(work, shared, (1, 3, 8))
+    fixed = {o.describe(): o for o in plan(work, plain).options}
+    assert full.options
+    for option in full.options:
+        alike = fixed[option.describe()]
+        assert alike.step_time / 2 <= option.step_time <= alike.step_time * (1 + 1e-9)
+    assert any(o.step_time < fixed[o.describe()].step_time * 0.99 for o in full.options if o.pp > 1)
+
+
+def test_host_cores_describe_one_machine() -> None:
+    with pytest.raises(ValueError, match=r"host_cores models one machine's ranks .* 8 devices over nodes of 4"):
+        Cluster((Device(GiB, 1e13),) * 8, gpus_per_node=4, host_cores=2)
+    with pytest.raises(ValueError, match=r"host_cores"):
+        Cluster((Device(GiB, 1e13),) * 2, host_cores=0)
+
+
 def test_top_must_be_a_count() -> None:
     with pytest.raises(ValueError, match=r"top must be >= 1, got 0; give how many of the fastest layouts to find"):
         plan(gpt("gpt-tiny", 4, 32), Cluster((Device(GiB, 1e13),)), top=0)
