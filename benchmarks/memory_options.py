@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import time
 from typing import Any
@@ -144,7 +145,7 @@ def main() -> None:
     cluster = Cluster(
         (Device(64 * 2**30, 1e11),) * 4, link_bandwidth=1.5e9, link_latency=link["latency"],
         network_bandwidth=link["bandwidth"], gpus_per_node=4, intra_node_bandwidth=link["bandwidth"],
-        sharding_bandwidth=link["sharding_bandwidth"],
+        sharding_bandwidth=link["sharding_bandwidth"], host_cores=len(os.sched_getaffinity(0)),
     )  # fmt: skip
     wanted = ns.cases.split(",")
     baseline: list[float] = []
