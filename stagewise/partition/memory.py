@@ -14,6 +14,15 @@ from stagewise.schedule import Schedule, peak_in_flight
 from stagewise.schedule.holdings import Holding
 
 
+def split_waiting_bytes(cost: LayerCost) -> int:
+    """Bytes one micro-batch keeps in ``cost``'s layer from a split backward's input pass (I) to its weight pass
+    (W), on top of its saved activations: the gradients of the outputs of the ops that read a parameter (the
+    pooled linears' output gradients and :attr:`LayerCost.use_bytes`), and the pooled linears' inputs where the
+    layer does not save them already (:attr:`LayerCost.pooled_input_bytes`: I keeps the forward's graph, and
+    its saved activations, for W)."""
+    return cost.pooled_bytes - cost.pooled_input_bytes + cost.use_bytes
+
+
 @dataclass(frozen=True)
 class MemoryModel:
     """Bytes a stage needs: its layers' fixed bytes plus what it holds for backward at its fullest moment.
@@ -32,8 +41,9 @@ class MemoryModel:
     in_flight: tuple[int, ...]
     """Per stage: micro-batches whose saved activations the stage holds at its peak."""
     pooled: tuple[float, ...] = ()
-    """Per layer: bytes a pooled backward keeps until its pool is flushed (:attr:`LayerCost.pooled_bytes`);
-    empty: none."""
+    """Per layer: bytes a pooled backward keeps until its pool is flushed (:attr:`LayerCost.pooled_bytes`), or,
+    where the schedule splits its backward, a micro-batch waiting for W (:func:`split_waiting_bytes`); empty:
+    none."""
     holdings: tuple[tuple[Holding, ...], ...] = ()
     """Per stage: the moments that can be its fullest (``stagewise.schedule.holdings`` works them out from a
     schedule and its weight-gradient pool); empty: ``Holding(in_flight[stage])`` alone."""
@@ -191,8 +201,8 @@ def memory_model(
     Buffers are counted once; saved activations once per micro-batch in flight.
     ``holdings`` adds the weight gradients a pipeline pools
     (:attr:`LayerCost.pooled_bytes`; where the schedule splits its backward,
-    :attr:`~stagewise.schedule.Schedule.splits_backward`, also the output
-    gradients its input pass keeps for its weight pass, :attr:`LayerCost.use_bytes`):
+    :attr:`~stagewise.schedule.Schedule.splits_backward`, the output
+    gradients its input pass keeps for its weight pass instead, :func:`split_waiting_bytes`):
     pass ``stagewise.schedule.holdings(schedule)`` for ``Pipeline``'s default;
     without it only the micro-batches in flight count. ``shared`` lists the
     parameters layers share (:func:`~stagewise.partition.shared_parameters`),
@@ -215,7 +225,9 @@ def memory_model(
         fixed=tuple(c.param_bytes * state_multiplier + c.buffer_bytes for c in costs),
         activation=tuple(float(c.saved_bytes) for c in costs),
         in_flight=in_flight,
-        pooled=() if holdings is None else tuple(float(c.pooled_bytes + (c.use_bytes if splits else 0)) for c in costs),
+        pooled=()
+        if holdings is None
+        else tuple(float(split_waiting_bytes(c) if splits else c.pooled_bytes) for c in costs),
         holdings=() if holdings is None else tuple(tuple(moments) for moments in holdings),
         shared=tuple(float(c.shared_bytes) for c in costs),
         ties=tuple(Tie(tie.indices, tie.nbytes * state_multiplier) for tie in shared),

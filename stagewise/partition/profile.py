@@ -23,7 +23,7 @@ from stagewise.partition.layers import Layer, Payload, layers_of
 from stagewise.partition.linears import DEFAULT_MIN_POOLED_ELEMENTS, LINEAR_OPS
 from stagewise.partition.live_bytes import LiveBytes
 from stagewise.partition.segment import Segment
-from stagewise.partition.selective import SelectiveCount
+from stagewise.partition.selective import RecomputeClock, SelectiveCount
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,9 @@ class LayerCost:
     use_bytes: int = 0
     """Bytes of the outputs of the ops that read a parameter, pooled linears aside: zero-bubble's input pass
     (I) keeps their gradients, one micro-batch's this much, for its weight pass (W)."""
+    pooled_input_bytes: int = 0
+    """Bytes of :attr:`pooled_bytes` that are the pooled linears' inputs, which each linear also saves for its
+    backward (in :attr:`saved_bytes`): zero-bubble's input pass keeps the graph for W, so they are held once."""
     working_bytes: int = 0
     """Bytes the layer holds for a moment beyond what it saves while it computes one micro-batch: the gradient
     of its output and of its input and the temporaries of its backward (its parameters' gradients aside), or
@@ -86,6 +89,10 @@ class LayerCost:
     """Bytes of the two largest pooled linears of the layer (input and output bytes each): what flushing a
     weight-gradient pool of ``k`` backwards concatenates at once, ``k`` times this at most (it concatenates one
     weight's pooled tensors after another's, the one before still alive)."""
+    recompute_time: float | None = None
+    """Seconds the ops selective checkpointing recomputes took in one forward, timed one by one
+    (:class:`~stagewise.partition.selective.RecomputeClock`), where times are measured; None: priced by
+    :attr:`recompute_flops` and :attr:`recompute_bytes`."""
     checkpoint_flops: int | None = None
     """Forward FLOPs that whole-layer activation checkpointing recomputes: those of the ops before the forward's
     last saved tensor. torch stops recomputing once the backward has every tensor the forward saved, so a layer's
@@ -164,6 +171,8 @@ class _PooledBytes(TorchFunctionMode):
         self.min_elements = min_elements
         self.total = 0
         self.uses = 0
+        self.inputs = 0
+        """The pooled linears' input bytes (of ``total``)."""
         self.largest: list[int] = []
         """The two largest pooled linears' input and output bytes, largest first."""
 
@@ -184,6 +193,7 @@ class _PooledBytes(TorchFunctionMode):
             if isinstance(w, nn.Parameter) and w.requires_grad and w.numel() >= self.min_elements:
                 size = x.numel() * x.element_size() + out.numel() * out.element_size()
                 self.total += size
+                self.inputs += x.numel() * x.element_size()
                 self.largest = sorted([*self.largest, size], reverse=True)[:2]
                 return out
         if any(isinstance(a, nn.Parameter) and a.requires_grad for a in tree_leaves((args, kwargs))):
@@ -249,9 +259,17 @@ def working_copy(module: nn.Module, device: torch.device) -> nn.Module:
     return work
 
 
+@dataclass(frozen=True)
+class _Timed:
+    """A layer's measured seconds: a forward and backward, and what selective checkpointing recomputes."""
+
+    step: float
+    recompute: float
+
+
 def _time(
     work: nn.Module, inputs: Payload, device: torch.device, warmup: int, repeats: int, *, first: bool, copy: bool
-) -> float:
+) -> _Timed:
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -266,7 +284,12 @@ def _time(
         sync()
         if i >= warmup:
             samples.append(clock.perf_counter() - start)
-    return statistics.median(samples)
+    recomputed = []
+    for _ in range(repeats):
+        with torch.no_grad(), RecomputeClock(sync) as timer:
+            work(_fresh(inputs, first=first, copy=copy))
+        recomputed.append(timer.seconds)
+    return _Timed(statistics.median(samples), statistics.median(recomputed))
 
 
 def _choose_device(layers: Sequence[Layer], time: bool, device: torch.device | str | None) -> torch.device:
@@ -373,7 +396,7 @@ def _profile_layer(
         if settings.time
         else None
     )
-    cost = _layer_cost(layer, run, shared_bytes=shared, time=elapsed)
+    cost = _layer_cost(layer, run, shared_bytes=shared, timed=elapsed)
     return cost, _like(run.output, lambda t: t.detach()), saves_output
 
 
@@ -414,7 +437,7 @@ def _counted_run(work: nn.Module, inputs: Payload, name: str, pooled_min_element
     return _Run(output, outs, int(total_flops), int(forward_flops), saved, pooled, int(working), selective)
 
 
-def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, time: float | None) -> LayerCost:
+def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, timed: _Timed | None) -> LayerCost:
     """What ``layer`` costs: its parameters and buffers, and what ``run`` counted."""
     params = list(layer.module.parameters())
     return LayerCost(
@@ -426,14 +449,16 @@ def _layer_cost(layer: Layer, run: _Run, *, shared_bytes: int, time: float | Non
         forward_flops=run.forward_flops,
         output_bytes=sum(t.numel() * t.element_size() for t in run.outs),
         saved_bytes=run.saved.total,
-        time=time,
+        time=None if timed is None else timed.step,
         shared_bytes=shared_bytes,
         pooled_bytes=run.pooled.total,
         use_bytes=run.pooled.uses,
+        pooled_input_bytes=run.pooled.inputs,
         flush_bytes=sum(run.pooled.largest),
         working_bytes=run.working_bytes,
         selective_bytes=run.selective.kept,
         recompute_flops=run.selective.recompute_flops,
         recompute_bytes=run.selective.recompute_bytes,
         checkpoint_flops=run.saved.last_pack,
+        recompute_time=None if timed is None else timed.recompute,
     )

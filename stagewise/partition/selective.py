@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +41,42 @@ def _flops(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -
     return int(formula(*args, **kwargs, out_val=out))
 
 
+def _made(args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """An op's tensor inputs, and the tensors it made (none for a view or an op in place)."""
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    given = {id(t.untyped_storage()) for t in inputs}
+    made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given]
+    return inputs, made
+
+
+class RecomputeClock(TorchDispatchMode):
+    """Times, over a forward, the ops selective activation checkpointing would recompute: every op that makes a
+    new tensor but the kept ones (:func:`is_kept`), each from its call to its return (``sync`` first and after:
+    a device's queue), in :attr:`seconds`. Its own overhead aside, what their recomputation takes on this device:
+    on a CPU, elementwise ops take a larger share of a layer than their FLOPs or bytes at the memory's peak say."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.sync = sync
+        self.seconds = 0.0
+        """Seconds of the ops it would recompute."""
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if is_kept(func):
+            return func(*args, **kwargs)
+        self.sync()
+        began = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        elapsed = time.perf_counter() - began
+        if _made(args, kwargs, out)[1]:
+            self.seconds += elapsed
+        return out
+
+
 class SelectiveCount(TorchDispatchMode):
     """Counts, over a forward, what selective activation checkpointing would keep and recompute.
 
@@ -64,9 +102,7 @@ class SelectiveCount(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        given = {id(t.untyped_storage()) for t in inputs}
-        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in given]
+        inputs, made = _made(args, kwargs, out)
         if not made:  # a view, or an op in place: no new tensor to keep or recompute
             return out
         if is_kept(func):

@@ -324,7 +324,8 @@ class Compute:
     blocks'; per stage, from the partition's bounds). Under a split backward (zero-bubble, ZBV, DualPipeV) I and W
     are two backwards, and each recomputes what it needs of the forward: W's recomputation is the elementwise ops
     that feed the weights' matmuls under the default selective policy, the whole layer's forward under full
-    checkpointing."""
+    checkpointing. W then passes the gradient back through the recomputed layer again (the gradients I found
+    went with I's graph), so a checkpointed layer's W costs about a whole backward."""
     offload_activations: bool = False
     """Keep the activations each stage saves for its backward in host memory: each is copied there during the
     forward (on a stream of its own, overlapped with compute, on a CUDA device) and back when the backward needs it,

@@ -154,6 +154,7 @@ def without_experts(cost: LayerCost, experts: ExpertCost) -> LayerCost:
         saved_bytes=max(0, cost.saved_bytes - experts.saved_bytes),
         selective_bytes=max(0, cost.selective_bytes - experts.selective_bytes),
         checkpoint_flops=None,  # where the experts fall in what checkpointing recomputes is not known: all of it
+        recompute_time=None,  # the experts' share of it neither: priced by FLOPs and bytes
         time=_time_scaled(cost, flops),
     )
 

@@ -96,6 +96,35 @@ def flush_bytes(
     return pool * max(costs[i].flush_bytes for i in layers)
 
 
+def last_working(schedule: Schedule, costs: Sequence[LayerCost], layers: range, recompute: float, loss: float) -> float:
+    """:func:`working` of the last stage, computing the loss's ``loss`` bytes: a whole backward (B) frees the
+    output-sized tensor the loss saved (counted with the last layer's saved bytes, see
+    ``stagewise.plan.setting.scaled``) before any layer's backward runs, so a layer's working bytes count less
+    it; a split backward's I keeps the graph, that tensor with it, for W."""
+    freed = 0 if schedule.splits_backward else costs[-1].output_bytes
+    return recompute + max([loss, *(costs[i].working_bytes - freed for i in layers)])
+
+
+def loss_working(memory: MemoryModel, schedule: Schedule, costs: Sequence[LayerCost], loss_extra: float) -> float:
+    """What the loss holds while it runs on the last stage beyond its saved bytes (``loss_extra``), less what
+    the stage's fullest moment counts already: with a split backward, the gradient the loss makes of the model's
+    output is the last layer's output gradient, which I keeps for W (:func:`~stagewise.partition.memory.
+    split_waiting_bytes`), counted with the micro-batches waiting for W from the moment that I ends."""
+    if not schedule.splits_backward or not memory.pooled or memory.pooled[-1] < costs[-1].output_bytes:
+        return loss_extra
+    return max(0.0, loss_extra - costs[-1].output_bytes)
+
+
+def flushing_bytes(memory: MemoryModel, stage: int, layers: range) -> float:
+    """Bytes a stage's weight-gradient pool flushes from: the stage's activations at its moments whose pool is
+    full (the backward that fills it flushes it), the fullest of those."""
+    moments = memory.moments(stage)
+    pool = max(h.pooled for h in moments)
+    kept = memory.kept(layers.start, layers.stop)
+    pooled = sum(memory.pooled[layers.start : layers.stop]) if memory.pooled else 0.0
+    return max(h.in_flight * kept + h.pooled * pooled for h in moments if h.pooled == pool)
+
+
 def rank_activation(
     memory: MemoryModel,
     schedule: Schedule,
@@ -106,20 +135,29 @@ def rank_activation(
 ) -> list[float]:
     """Per rank: the bytes its stages hold for backward at their fullest (micro-batches in flight and pooled weight
     gradients) plus the most that computing one micro-batch holds on top (``recompute`` bytes of a recomputed
-    layer, ``loss_extra`` of the loss on the last stage) or that flushing a stage's weight-gradient pool does
-    (:func:`flush_bytes`), whichever is more."""
+    layer, ``loss_extra`` of the loss on the last stage, :func:`loss_working`), or, where more, a stage's bytes as
+    its weight-gradient pool flushes (:func:`flushing_bytes`) with the flush's own (:func:`flush_bytes`) and the
+    rank's other stages at their fullest."""
     last = len(stages) - 1
-    return [
-        sum(memory.stage_bytes(s, stages[s].start, stages[s].stop) - memory.fixed_bytes(stages[s]) for s in mine)
-        + max(  # a rank computes one micro-batch, or flushes one pool, at a time
-            max(
-                working(costs, stages[s], recompute, loss_extra if s == last else 0.0),
-                flush_bytes(memory, schedule, costs, s, stages[s]),
-            )
+    loss = loss_working(memory, schedule, costs, loss_extra)
+    out = []
+    for mine in (schedule.stages_of(r) for r in range(schedule.n_ranks)):
+        held = {s: memory.stage_bytes(s, stages[s].start, stages[s].stop) - memory.fixed_bytes(stages[s]) for s in mine}
+        resting = sum(held.values())
+        # A rank computes one micro-batch, or flushes one pool, at a time.
+        computing = resting + max(
+            last_working(schedule, costs, stages[s], recompute, loss)
+            if s == last
+            else working(costs, stages[s], recompute, 0.0)
             for s in mine
         )
-        for mine in (schedule.stages_of(r) for r in range(schedule.n_ranks))
-    ]
+        flushing = [
+            resting - held[s] + flushing_bytes(memory, s, stages[s]) + flush
+            for s in mine
+            if (flush := flush_bytes(memory, schedule, costs, s, stages[s])) > 0
+        ]
+        out.append(max([computing, *flushing]))
+    return out
 
 
 OPTIMIZER_TEMPORARIES = 1.0

@@ -13,6 +13,7 @@ import numpy as np
 from stagewise.partition import LayerCost, MemoryModel, memory_model
 from stagewise.partition.auto import params_of
 from stagewise.partition.layers import SharedParameter
+from stagewise.partition.memory import split_waiting_bytes
 from stagewise.plan.cluster import Cluster, Device
 from stagewise.plan.expert_cost import dense_costs, rank_experts, with_experts
 from stagewise.plan.option import Checkpointing, Option
@@ -94,12 +95,16 @@ def scaled(
     costs: Sequence[LayerCost], factor: float, checkpointing: Checkpointing, input_bytes: float
 ) -> list[LayerCost]:
     """Costs of a micro-batch ``factor`` times the profiled one; with checkpointing, only layer inputs are kept
-    (and, selective, the outputs of its matmuls and fused attention, :attr:`LayerCost.selective_bytes`).
+    (and, selective, the outputs of its matmuls and fused attention, :attr:`LayerCost.selective_bytes`), and no
+    pooled linear's input is among them (:attr:`LayerCost.pooled_input_bytes` 0: a split backward keeps its own).
 
     The last layer also holds what the loss saves for backward, taken as one
     tensor the size of the model's output (cross-entropy keeps its
-    log-softmax, a squared error its difference); what else the loss holds
-    while it runs (:attr:`Workload.loss_bytes`) is the last stage's working memory (:attr:`Layers.working`).
+    log-softmax, a squared error its difference), and the output itself:
+    ``Pipeline`` keeps each forward's output until its backward (B, or a
+    split backward's W) lets it go (:func:`held_output`). What else the loss
+    holds while it runs (:attr:`Workload.loss_bytes`) is the last stage's
+    working memory (:attr:`Layers.working`).
     """
     out = []
     previous = input_bytes
@@ -110,6 +115,7 @@ def scaled(
             saved = previous if checkpointing else c.saved_bytes * factor
         if index == len(costs) - 1:
             saved += c.output_bytes * factor  # the loss keeps a tensor the size of the output (log-softmax, error)
+            saved += held_output(c, factor, checkpointing)
         out.append(
             dataclasses.replace(
                 c,
@@ -122,29 +128,39 @@ def scaled(
                 pooled_bytes=int(c.pooled_bytes * factor),
                 flush_bytes=int(c.flush_bytes * factor),
                 use_bytes=int(c.use_bytes * factor),
+                pooled_input_bytes=0 if checkpointing else int(c.pooled_input_bytes * factor),
                 working_bytes=int(c.working_bytes * factor),
                 selective_bytes=int(c.selective_bytes * factor),
                 recompute_flops=int(c.recompute_flops * factor),
                 recompute_bytes=int(c.recompute_bytes * factor),
                 checkpoint_flops=None if c.checkpoint_flops is None else int(c.checkpoint_flops * factor),
+                recompute_time=None if c.recompute_time is None else c.recompute_time * factor,
             )
         )
         previous = c.output_bytes * factor
     return out
 
 
+def held_output(last: LayerCost, factor: float, checkpointing: Checkpointing) -> float:
+    """Bytes of the model's output (the last layer's, profiled ``last``) for a micro-batch ``factor`` times the
+    profiled one that ``Pipeline`` holds from the forward until its backward lets it go, beyond what the layer
+    saves of it: under selective checkpointing the output of a matmul (a language model's head, whose logits
+    the loss reads) is what selective checkpointing keeps of that layer, one storage counted once."""
+    kept = min(last.selective_bytes, last.output_bytes) if checkpointing == "selective" else 0
+    return float((last.output_bytes - kept) * factor)
+
+
 def loss_beyond(loss_bytes: int | None, factor: float, last: LayerCost, checkpointing: Checkpointing) -> float:
     """Bytes the loss holds while it runs beyond what the last layer's saved bytes count (``last`` as
     :func:`scaled` made it, for a micro-batch ``factor`` times the profiled one): its measured bytes
     (:attr:`Workload.loss_bytes`, the model's output included) less the output-sized tensor :func:`scaled` counts
-    as saved and, under selective checkpointing, less the output itself where the last layer keeps it: the
-    output of a matmul (a language model's head, whose logits the loss reads) is what selective checkpointing
-    keeps of that layer, one storage the loss and the layer share, counted once (as the layer's,
-    ``min(selective_bytes, output_bytes)``). None known: 0."""
+    as saved and less the output itself, which the pipeline holds until the backward (:func:`held_output`; under
+    selective checkpointing the layer's own kept output, the same storage). ``checkpointing`` does not change it
+    (the output is counted once either way). None known: 0."""
+    del checkpointing  # the held output and selective checkpointing's kept output are one storage
     if loss_bytes is None:
         return 0.0
-    kept = min(last.selective_bytes, last.output_bytes) if checkpointing == "selective" else 0
-    return max(0.0, loss_bytes * factor - last.output_bytes - kept)
+    return max(0.0, loss_bytes * factor - 2 * last.output_bytes)
 
 
 @dataclass(frozen=True)
@@ -158,7 +174,8 @@ class RangeSums:
     kept: np.ndarray
     """Saved activation bytes of one micro-batch, a tensor two neighbours save left out."""
     pooled: np.ndarray
-    """Bytes a micro-batch waiting for a split backward's W keeps (pooled linears' and use bytes)."""
+    """Bytes a micro-batch waiting for a split backward's W keeps
+    (:func:`~stagewise.partition.memory.split_waiting_bytes`)."""
     ahead: np.ndarray
     """Where ``stop > start``: no stage is empty."""
     param_scale: float
@@ -172,7 +189,7 @@ class RangeSums:
             params[list(tie.indices)] -= tie.nbytes
         buffers = np.array([float(c.buffer_bytes) for c in costs], dtype=np.float64)
         kept = np.array([float(c.saved_bytes) - float(c.shared_bytes) for c in costs], dtype=np.float64)
-        pooled = np.array([float(c.pooled_bytes + c.use_bytes) for c in costs], dtype=np.float64)
+        pooled = np.array([float(split_waiting_bytes(c)) for c in costs], dtype=np.float64)
 
         def ranges(values: np.ndarray) -> np.ndarray:
             sums = np.concatenate(([0.0], np.cumsum(values)))

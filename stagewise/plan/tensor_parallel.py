@@ -42,6 +42,7 @@ def split_costs(costs: list[LayerCost], traffic: Sequence[LayerTraffic] | None, 
                 recompute_flops=c.recompute_flops // tp,
                 recompute_bytes=int(c.recompute_bytes * kept),
                 checkpoint_flops=None if c.checkpoint_flops is None else c.checkpoint_flops // tp,
+                recompute_time=None if c.recompute_time is None else c.recompute_time * kept,
             )
         )
     return out

@@ -75,8 +75,9 @@ def recompute_seconds(cost: LayerCost, device: Device, checkpointing: Checkpoint
     (:attr:`~stagewise.partition.LayerCost.checkpoint_flops`; the whole forward where not counted). Selective
     recomputes the ops it does not keep: their FLOPs at the device's speed plus the bytes they read and write at its
     memory bandwidth (:attr:`~stagewise.partition.LayerCost.recompute_flops`,
-    :attr:`~stagewise.partition.LayerCost.recompute_bytes`); with measured times, that share of the measured
-    forward, the forward taken as its FLOPs plus those bytes.
+    :attr:`~stagewise.partition.LayerCost.recompute_bytes`); with measured times, those ops' own measured seconds
+    (:attr:`~stagewise.partition.LayerCost.recompute_time`), or else that share of the measured forward, the
+    forward taken as its FLOPs plus those bytes.
     """
     if checkpointing is False:
         return 0.0
@@ -85,6 +86,8 @@ def recompute_seconds(cost: LayerCost, device: Device, checkpointing: Checkpoint
         if cost.checkpoint_flops is None or not cost.forward_flops:
             return forward
         return forward * min(1.0, cost.checkpoint_flops / cost.forward_flops)
+    if cost.time is not None and cost.recompute_time is not None:
+        return cost.recompute_time
     moved = cost.recompute_bytes / device.memory_bandwidth
     modelled = cost.recompute_flops / device.flops + moved
     if cost.time is None:
@@ -117,7 +120,10 @@ class ActionSeconds:
     input_grad: float
     """A split backward's I: recomputation once."""
     weight_grad: float
-    """A split backward's W: recomputation again (checkpointing recomputes in each backward graph)."""
+    """A split backward's W: recomputation again (checkpointing recomputes in each backward graph), and then,
+    checkpointed, the whole backward: the recomputed graph holds none of the output gradients I found, so W
+    passes the gradient back through the layer again to reach its weights (each linear's input gradient as well
+    as its weight's, measured)."""
 
 
 def action_seconds(
@@ -137,7 +143,7 @@ def action_seconds(
         "forward": (f + cf, _beside(moved.gather, moved.host, overlap)),
         "backward": (b + cb + again, _beside(moved.gather + moved.scatter, moved.host, overlap)),
         "input_grad": (b / 2 + cb + again, _beside(moved.gather, moved.host, overlap)),
-        "weight_grad": (b / 2 + again, moved.gather + moved.scatter),
+        "weight_grad": ((b + cb if recompute is not None else b / 2) + again, moved.gather + moved.scatter),
     }
     return ActionSeconds(
         **{name: (work + beside if not overlap else max(work, beside)) for name, (work, beside) in kinds.items()}
