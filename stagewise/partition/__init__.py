@@ -4,9 +4,10 @@ from stagewise.partition.auto import By, auto, balance_costs
 from stagewise.partition.balance import CapacityError, balance
 from stagewise.partition.capture import CapturedChain, capture
 from stagewise.partition.graph import CaptureError
+from stagewise.partition.layer_cost import LayerCost
 from stagewise.partition.layers import Layer, layers_of, shared_parameters
 from stagewise.partition.memory import MemoryModel, MemorySetting, memory_model
-from stagewise.partition.profile import LayerCost, profile
+from stagewise.partition.profile import profile
 from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
 

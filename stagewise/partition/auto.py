@@ -11,9 +11,10 @@ from torch import nn
 
 from stagewise.partition.balance import Weights, balance
 from stagewise.partition.call_spec import Inputs
+from stagewise.partition.layer_cost import LayerCost
 from stagewise.partition.layers import Layer, SharedParameter, layers_of, shared_parameters
 from stagewise.partition.memory import MemorySetting
-from stagewise.partition.profile import LayerCost, profile
+from stagewise.partition.profile import profile
 from stagewise.partition.shared_cost import Tie
 from stagewise.partition.split import Partition
 from stagewise.schedule import build

@@ -7,8 +7,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from stagewise.errors import is_whole
+from stagewise.partition.layer_cost import LayerCost
 from stagewise.partition.layers import SharedParameter
-from stagewise.partition.profile import LayerCost
 from stagewise.partition.shared_cost import Tie, check_ties
 from stagewise.schedule import Schedule, peak_in_flight
 from stagewise.schedule.holdings import Holding
