@@ -85,7 +85,7 @@ def flush_bytes(
     gradient is one GEMM over the concatenation of its pooled output gradients and inputs (``torch.cat`` over the
     ``k`` backwards the pool holds), one weight after another, the previous weight's concatenation alive while
     the next is made. Counted as ``k`` times the most that one of the stage's layers holds so
-    (:attr:`LayerCost.flush_bytes`, its two largest pooled linears). None where the pool holds one backward
+    (:attr:`LayerCost.flush_bytes`, its two largest pooled linears). 0 where the pool holds one backward
     (nothing is concatenated) or the stage pools nothing (sharded stages; a split backward, whose ``pooled``
     counts micro-batches waiting for W)."""
     if schedule.splits_backward or not memory.pooled:
