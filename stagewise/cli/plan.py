@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch import nn
 
 from stagewise.cli import args
 from stagewise.cli.commands import COMMANDS
+from stagewise.comm.cpu_pinning import usable_cores
 from stagewise.comm.payload import Payload
 from stagewise.models import GPT, PRESETS
 from stagewise.partition import layers_of
@@ -182,7 +182,7 @@ def _host_cores(ns: argparse.Namespace, n_devices: int) -> int | None:
     if ns.host_cores is not None:
         return int(ns.host_cores)
     if ns.profile and (ns.device or "cpu") == "cpu" and n_devices <= ns.gpus_per_node:
-        return len(os.sched_getaffinity(0))
+        return usable_cores()
     return None
 
 

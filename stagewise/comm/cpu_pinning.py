@@ -5,6 +5,13 @@ from __future__ import annotations
 import os
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity where the platform has one (Linux), else the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_shares(nprocs: int) -> list[frozenset[int]]:
     """The CPUs of each of ``nprocs`` local processes under ``pin_cores``: equal, disjoint runs of ours, in order."""
     if not hasattr(os, "sched_setaffinity"):

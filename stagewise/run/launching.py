@@ -8,7 +8,6 @@ refuse is checked here first, so that a bad value is one line and not a tracebac
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 
 from stagewise import checkpoint
 from stagewise.comm import LaunchError, launch
+from stagewise.comm.cpu_pinning import usable_cores
 from stagewise.errors import JobFailureError
 from stagewise.run.config import TrainConfig
 from stagewise.run.job_pipeline import preflight
@@ -73,7 +73,7 @@ def checked_before_start(config: TrainConfig, local: LocalLaunch, *, torchrun: b
 def crowding(processes: int, cores: int | None = None) -> str | None:
     """Why ``processes`` local processes on ``cores`` CPU cores (this process's, by default) will be slow, if so."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = usable_cores()
     if processes <= cores:
         return None
     return (
